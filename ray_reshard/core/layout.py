@@ -1,0 +1,131 @@
+"""Layouts: a mesh plus one placement per mesh dim, and the box each rank holds."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Optional, Sequence
+
+from .box import Box
+from .mesh import Mesh
+from .placement import Placement, Replicate, Shard, as_placement
+
+
+@dataclass(frozen=True, init=False)
+class Layout:
+    """How one side lays a tensor out: `placements[i]` says what mesh dim i does.
+
+    Several mesh dims may shard the same tensor dim; they nest in mesh-dim order, as DTensor
+    does (mesh dim 0 splits first, mesh dim 1 splits each of those parts, ...).
+    """
+
+    mesh: Mesh
+    placements: tuple[Placement, ...]
+
+    def __init__(self, mesh: Mesh, placements: Sequence[Any]):
+        if not isinstance(mesh, Mesh):
+            raise TypeError(f"Layout needs a ray_reshard Mesh, got {type(mesh).__name__}")
+        if isinstance(placements, (Placement,)) or not isinstance(placements, (list, tuple)):
+            placements = (placements,)
+        pls = tuple(as_placement(p) for p in placements)
+        if len(pls) != mesh.ndim:
+            raise ValueError(
+                f"Layout has {len(pls)} placements {pls} for a mesh of {mesh.ndim} dims "
+                f"{dict(zip(mesh.dim_names, mesh.shape))}: give exactly one placement per mesh dim")
+        object.__setattr__(self, "mesh", mesh)
+        object.__setattr__(self, "placements", pls)
+
+    @classmethod
+    def replicated(cls, ranks: Sequence[int]) -> "Layout":
+        """Every listed rank holds the whole tensor."""
+        return cls(Mesh(list(ranks)), (Replicate(),))
+
+    @classmethod
+    def sharded(cls, ranks: Sequence[int], dim: int) -> "Layout":
+        """The listed ranks split tensor dim `dim` in order (torch.chunk semantics)."""
+        return cls(Mesh(list(ranks)), (Shard(dim),))
+
+    @classmethod
+    def from_device_mesh(cls, device_mesh: Any, placements: Sequence[Any],
+                         rank_map: Optional[Any] = None) -> "Layout":
+        """Build from a torch DeviceMesh; `rank_map` maps global process ranks to actor indices.
+
+        Without `rank_map`, process rank r is actor index r.
+        """
+        grid = device_mesh.mesh.tolist()
+        names = getattr(device_mesh, "mesh_dim_names", None)
+
+        def remap(x):
+            if isinstance(x, list):
+                return [remap(y) for y in x]
+            if rank_map is None:
+                return int(x)
+            try:
+                return int(rank_map[int(x)])
+            except (KeyError, IndexError):
+                raise ValueError(f"rank_map has no actor index for process rank {int(x)}") from None
+
+        return cls(Mesh(remap(grid), names), placements)
+
+    @classmethod
+    def from_dtensor(cls, dtensor: Any, rank_map: Optional[Any] = None) -> "Layout":
+        """The layout of a DTensor (its device mesh and placements)."""
+        return cls.from_device_mesh(dtensor.device_mesh, dtensor.placements, rank_map)
+
+    def validate_for(self, shape: Sequence[int], what: str = "tensor") -> None:
+        """Raise if this layout cannot lay out a tensor of `shape`."""
+        for i, p in enumerate(self.placements):
+            if isinstance(p, Shard) and p.dim >= len(shape):
+                raise ValueError(
+                    f"{what}: placement {p} on mesh dim {self.mesh.dim_names[i]!r} shards tensor "
+                    f"dim {p.dim}, but the tensor has {len(shape)} dims (shape {tuple(shape)})")
+            if isinstance(p, Shard) and p.block is not None:
+                parts = self.mesh.shape[i]
+                if p.block * parts < _extent_before(self, shape, i, p.dim):
+                    raise ValueError(
+                        f"{what}: {p} over mesh dim {self.mesh.dim_names[i]!r} of size {parts} "
+                        f"covers {p.block * parts} of {shape[p.dim]} elements of dim {p.dim}")
+
+    def box(self, rank: int, shape: Sequence[int]) -> Optional[Box]:
+        """The global box `rank` holds, or None when the rank is not in the mesh."""
+        return _box(self, int(rank), tuple(shape))
+
+    def local_shape(self, rank: int, shape: Sequence[int]) -> Optional[tuple[int, ...]]:
+        b = self.box(rank, shape)
+        return None if b is None else b.sizes
+
+    def boxes(self, shape: Sequence[int]) -> dict[int, Box]:
+        """Box of every rank in the mesh."""
+        return {r: _box(self, r, tuple(shape)) for r in self.mesh.ranks}
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return self.mesh.ranks
+
+    def __repr__(self) -> str:
+        pl = ", ".join(f"{n}={p}" for n, p in zip(self.mesh.dim_names, self.placements))
+        return f"Layout({pl}; ranks {list(self.mesh.ranks)} as {self.mesh.shape})"
+
+
+def _extent_before(layout: Layout, shape, mesh_dim: int, tdim: int) -> int:
+    """Extent of tensor dim `tdim` left to split when mesh dim `mesh_dim` applies (upper bound)."""
+    n = shape[tdim]
+    for i in range(mesh_dim):
+        p = layout.placements[i]
+        if isinstance(p, Shard) and p.dim == tdim:
+            n = max(p.split(n, layout.mesh.shape[i], j)[1] for j in range(layout.mesh.shape[i]))
+    return n
+
+
+@lru_cache(maxsize=1 << 16)
+def _box(layout: Layout, rank: int, shape: tuple[int, ...]) -> Optional[Box]:
+    coords = layout.mesh.coords(rank)
+    if coords is None:
+        return None
+    offs = [0] * len(shape)
+    sizes = list(shape)
+    for c, k, p in zip(coords, layout.mesh.shape, layout.placements):
+        if isinstance(p, Shard):
+            start, length = p.split(sizes[p.dim], k, c)
+            offs[p.dim] += start
+            sizes[p.dim] = length
+    return Box(tuple(offs), tuple(sizes))

@@ -1,0 +1,88 @@
+"""Meshes: a grid of rank indices into one side's actor list."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True, init=False)
+class Mesh:
+    """An n-d grid of distinct ranks (indices into a side's actor list).
+
+    A mesh may cover any subset of the ranks in any order: a pipeline stage is a mesh over its
+    stage's ranks only, and a rank outside the mesh holds nothing of the tensors laid out on it.
+    """
+
+    shape: tuple[int, ...]
+    ranks: tuple[int, ...]          # row-major flattening of the grid
+    dim_names: tuple[str, ...]
+
+    def __init__(self, ranks: Any, dim_names: Optional[Sequence[str]] = None):
+        arr = np.asarray(ranks, dtype=object)
+        if arr.ndim == 0:
+            raise ValueError(f"Mesh needs at least one dim, got the scalar {ranks!r}")
+        if arr.size == 0:
+            raise ValueError("Mesh must hold at least one rank")
+        flat = []
+        for r in arr.reshape(-1):
+            if isinstance(r, (bool, np.bool_)) or not isinstance(r, (int, np.integer)):
+                raise ValueError(f"Mesh entries must be non-negative ints, got {r!r}")
+            if r < 0:
+                raise ValueError(f"Mesh entries must be non-negative ints, got {r!r}")
+            flat.append(int(r))
+        seen = set()
+        for r in flat:
+            if r in seen:
+                raise ValueError(f"rank {r} appears twice in mesh {arr.tolist()}")
+            seen.add(r)
+        if dim_names is None:
+            dim_names = tuple(f"d{i}" for i in range(arr.ndim))
+        dim_names = tuple(dim_names)
+        if len(dim_names) != arr.ndim:
+            raise ValueError(f"Mesh of {arr.ndim} dims {arr.shape} got {len(dim_names)} dim_names "
+                             f"{dim_names}")
+        if len(set(dim_names)) != len(dim_names):
+            raise ValueError(f"Mesh dim_names must be distinct, got {dim_names}")
+        object.__setattr__(self, "shape", tuple(int(s) for s in arr.shape))
+        object.__setattr__(self, "ranks", tuple(flat))
+        object.__setattr__(self, "dim_names", dim_names)
+        object.__setattr__(self, "_coords", {r: np.unravel_index(i, arr.shape) for i, r in enumerate(flat)})
+
+    @classmethod
+    def from_shape(cls, shape: Sequence[int], dim_names=None, start: int = 0) -> "Mesh":
+        """A mesh over the contiguous ranks start .. start+prod(shape)-1 in row-major order."""
+        n = int(np.prod(shape))
+        return cls(np.arange(start, start + n).reshape(tuple(shape)).tolist(), dim_names)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def coords(self, rank: int) -> Optional[tuple[int, ...]]:
+        """Grid coordinates of `rank`, or None when the rank is not in this mesh."""
+        c = self._coords.get(rank)
+        return None if c is None else tuple(int(x) for x in c)
+
+    def dim_index(self, dim: int | str) -> int:
+        if isinstance(dim, str):
+            if dim not in self.dim_names:
+                raise KeyError(f"mesh has no dim named {dim!r}; dims are {self.dim_names}")
+            return self.dim_names.index(dim)
+        return dim
+
+    def __hash__(self):
+        return hash((self.shape, self.ranks, self.dim_names))
+
+    def __eq__(self, other):
+        return (isinstance(other, Mesh) and self.shape == other.shape and self.ranks == other.ranks
+                and self.dim_names == other.dim_names)
+
+    def __repr__(self) -> str:
+        grid = np.asarray(self.ranks).reshape(self.shape).tolist()
+        return f"Mesh({grid}, dim_names={self.dim_names})"
