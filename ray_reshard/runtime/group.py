@@ -1,0 +1,325 @@
+"""ReshardGroup: the driver side of a refit between two lists of Ray actors."""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from ..core.plan import DEFAULT_BUCKET_BYTES, Plan, PlanStats, plan as make_plan
+from ..core.planner import LOCAL, NETWORK, Endpoint
+from ..core.spec import TensorSpec
+from ..errors import RefitError
+from . import worker
+from .transport import torch_pg
+
+STRATEGIES = ("reshard", "gather_broadcast")
+
+
+@dataclass
+class RefitResult:
+    """What one refit did. Bytes are destination-dtype bytes."""
+
+    version: int
+    seconds: float
+    strategy: str
+    bytes_by_path: dict            # bytes moved: network / domain / local
+    network_gbps: float            # network bytes / seconds
+    peak_staging_bytes: int        # the largest staging memory any rank held
+    plan_stats: PlanStats
+    planned: bool                  # False when the plan came from the cache
+    per_process: list = field(default_factory=list)
+
+    def summary(self) -> str:
+        b = self.bytes_by_path
+        return (f"refit v{self.version} [{self.strategy}] {self.seconds:.3f} s: "
+                f"network {b['network'] / 1e6:.1f} MB (bound {self.plan_stats.min_network_bytes / 1e6:.1f} MB), "
+                f"domain {b['domain'] / 1e6:.1f} MB, local {b['local'] / 1e6:.1f} MB, "
+                f"{self.network_gbps:.2f} GB/s, peak staging {self.peak_staging_bytes / 1e6:.1f} MB/rank")
+
+
+def _actor_key(a) -> Any:
+    try:
+        return a._actor_id
+    except AttributeError:
+        raise TypeError(f"expected a Ray actor handle, got {type(a).__name__}") from None
+
+
+class ReshardGroup:
+    """Moves tensors from `src_actors` to `dst_actors` (refit), reusing groups and plans.
+
+    Library code runs inside the actors through `actor.__ray_call__`. Each actor's tensors come
+    from `tensors(actor) -> {name: tensor}` or, by default, its `reshard_tensors()` method, and
+    are looked up anew at every refit. The same actor may appear on both sides (colocated).
+    """
+
+    def __init__(self, src_actors: Sequence[Any], dst_actors: Sequence[Any], *,
+                 backend: str = "auto", tensors: Optional[Callable] = None,
+                 strategy: str = "reshard", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 timeout_s: Optional[float] = None, setup_timeout_s: float = 120.0,
+                 src_domains: Optional[Sequence[Any]] = None,
+                 dst_domains: Optional[Sequence[Any]] = None):
+        self.src_actors = list(src_actors)
+        self.dst_actors = list(dst_actors)
+        if not self.src_actors or not self.dst_actors:
+            raise ValueError(f"need at least one source and one destination actor, got "
+                             f"{len(self.src_actors)} and {len(self.dst_actors)}")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        if backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
+        if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        self.strategy, self.bucket_bytes, self.timeout_s = strategy, bucket_bytes, timeout_s
+        self.setup_timeout_s = setup_timeout_s
+        self._tensors_fn = tensors
+        self.group_id = uuid.uuid4().hex
+        self._closed = False
+        self._broken: Optional[str] = None
+        self._version = 0
+        self._plans: dict = {}
+        self._installed: set = set()
+        self._rings: dict = {}          # (sender pid, receiver pid) -> ring name
+        self._helpers: dict = {}
+        self._procs: list = []
+        self._ep_pid: dict = {}
+        for side, actors in (("src", self.src_actors), ("dst", self.dst_actors)):
+            seen = {}
+            for i, a in enumerate(actors):
+                k = _actor_key(a)
+                if k in seen:
+                    raise ValueError(f"{side} actor {i} is the same actor as {side} actor "
+                                     f"{seen[k]}: each actor may appear once per side")
+                seen[k] = i
+        pid_of = {}
+        for side, actors in (("src", self.src_actors), ("dst", self.dst_actors)):
+            for i, a in enumerate(actors):
+                k = _actor_key(a)
+                if k not in pid_of:
+                    pid_of[k] = len(self._procs)
+                    self._procs.append(a)
+                self._ep_pid[Endpoint(side, i)] = pid_of[k]
+        try:
+            self._setup(backend, src_domains, dst_domains)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---------------------------------------------------------------- set-up
+    def _call_all(self, fn, *args, timeout: Optional[float] = None, actors=None):
+        actors = self._procs if actors is None else actors
+        refs = [a.__ray_call__.remote(fn, *args) for a in actors]
+        return ray.get(refs, timeout=timeout or self.setup_timeout_s)
+
+    def _setup(self, backend, src_domains, dst_domains):
+        from .node_helper import start_node_helpers
+
+        infos = self._call_all(worker.probe)
+        self._infos = infos
+        nodes = list(dict.fromkeys(i["node_id"] for i in infos))
+        self._helpers = start_node_helpers(nodes)
+        topo = dict(zip(nodes, ray.get([self._helpers[n].topology.remote() for n in nodes],
+                                       timeout=self.setup_timeout_s)))
+        proc_domain, proc_device = [], []
+        for info in infos:
+            t = topo[info["node_id"]]
+            dom = t["domain"]
+            if info.get("gpu_uuid"):
+                dom = next((g["domain"] for g in t.get("gpus", ()) if g["uuid"] == info["gpu_uuid"]),
+                           dom)
+                proc_device.append(("gpu", info["gpu_uuid"]))
+            else:
+                proc_device.append(("proc", info["node_id"], info["pid"]))
+            proc_domain.append(dom)
+        self.proc_nodes = [i["node_id"] for i in infos]
+        n_src, n_dst = len(self.src_actors), len(self.dst_actors)
+        pid = lambda side, i: self._ep_pid[Endpoint(side, i)]
+        self.src_domains = list(src_domains) if src_domains is not None else \
+            [proc_domain[pid("src", i)] for i in range(n_src)]
+        self.dst_domains = list(dst_domains) if dst_domains is not None else \
+            [proc_domain[pid("dst", j)] for j in range(n_dst)]
+        self.src_devices = [proc_device[pid("src", i)] for i in range(n_src)]
+        self.dst_devices = [proc_device[pid("dst", j)] for j in range(n_dst)]
+        on_gpu = [i["device"].startswith("cuda") for i in infos]
+        if backend == "auto":
+            backend = "nccl" if all(on_gpu) else "gloo"
+        if backend == "nccl" and not all(on_gpu):
+            raise ValueError("backend='nccl' needs every actor on a GPU; actors "
+                             f"{[k for k, g in enumerate(on_gpu) if not g]} have none")
+        self.backend = backend
+        self._gpu = backend == "nccl"
+        torch_pg.ensure_registered()
+        self.group_name = f"rr-{self.group_id[:16]}"
+        world = len(self._procs)
+        refs = [a.__ray_call__.remote(worker.setup, self.group_id, self.group_name, world, p,
+                                      backend, self._ep_pid, infos[p]["device"], self._tensors_fn,
+                                      self.bucket_bytes, self.setup_timeout_s)
+                for p, a in enumerate(self._procs)]
+        ray.get(refs, timeout=self.setup_timeout_s)
+
+    # ---------------------------------------------------------------- planning
+    def plan(self, specs: Mapping[str, TensorSpec]) -> Plan:
+        """The plan for `specs` on this group's topology (computed once per spec set)."""
+        key = hash(tuple(specs.items()))
+        hit = self._plans.get(key)
+        if hit is not None and hit[0] == tuple(specs.items()):
+            return hit[1]
+        p = make_plan(specs, self.src_domains, self.dst_domains, src_devices=self.src_devices,
+                      dst_devices=self.dst_devices)
+        self._plans[key] = (tuple(specs.items()), p)
+        return p
+
+    def _install(self, key, p: Plan) -> None:
+        if key in self._installed:
+            return
+        sched = p.schedule(self.bucket_bytes)
+        programs = {pid: [] for pid in range(len(self._procs))}
+        pairs = set()
+        for t in sched.transfers:
+            s, d = self._ep_pid[t.src], self._ep_pid[Endpoint("dst", t.dst)]
+            programs[s].append(t)
+            if d != s:
+                programs[d].append(t)
+                if t.path != NETWORK and self.proc_nodes[s] == self.proc_nodes[d]:
+                    pairs.add((s, d))
+        if self.strategy == "reshard":
+            self._ensure_rings(pairs)
+        plan_ref = ray.put(p)
+        refs = [a.__ray_call__.remote(worker.install, self.group_id, key, plan_ref,
+                                      programs[pid], self.strategy)
+                for pid, a in enumerate(self._procs)]
+        ray.get(refs, timeout=self.setup_timeout_s)
+        self._installed.add(key)
+
+    def _ensure_rings(self, pairs) -> None:
+        missing = sorted(pairs - set(self._rings))
+        if not missing:
+            return
+        by_node: dict = {}
+        for s, d in missing:
+            by_node.setdefault(self.proc_nodes[s], []).append((s, d))
+        for node, ps in by_node.items():
+            names = ray.get(self._helpers[node].create_rings.remote(
+                self.group_id, len(ps), self.bucket_bytes, 2), timeout=self.setup_timeout_s)
+            self._rings.update(zip(ps, names))
+        out: dict = {}
+        inn: dict = {}
+        for (s, d) in missing:
+            out.setdefault(s, {})[d] = self._rings[(s, d)]
+            inn.setdefault(d, {})[s] = self._rings[(s, d)]
+        pids = sorted(set(out) | set(inn))
+        ray.get([self._procs[p].__ray_call__.remote(worker.attach_rings, self.group_id,
+                                                    out.get(p, {}), inn.get(p, {}), self._gpu)
+                 for p in pids], timeout=self.setup_timeout_s)
+        # Every end is mapped: drop the names so no segment can outlive its processes.
+        ray.get([self._helpers[n].seal.remote(self.group_id) for n in by_node],
+                timeout=self.setup_timeout_s)
+
+    # ---------------------------------------------------------------- refit
+    def refit(self, specs: Mapping[str, TensorSpec], *, timeout_s: Optional[float] = None) -> RefitResult:
+        """Write every destination's shards of `specs` in place from the sources' shards."""
+        if self._closed:
+            raise RuntimeError("this ReshardGroup is closed")
+        if self._broken:
+            raise RefitError(f"this ReshardGroup failed earlier ({self._broken}); build a new one")
+        planned = not any(hash(tuple(specs.items())) == k for k in self._plans)
+        p = self.plan(specs)
+        key = f"{hash(tuple(specs.items())) & 0xFFFFFFFFFFFF:x}"
+        self._install(key, p)
+        errors = self._call_all(worker.prepare, self.group_id, key)
+        problems = [e for errs in errors for e in errs]
+        if problems:
+            raise ValueError("refit refused before moving any byte:\n  " + "\n  ".join(problems))
+        timeout = timeout_s or self.timeout_s or default_timeout_s(p.stats.total_bytes)
+        version = self._version + 1
+        t0 = time.perf_counter()
+        refs = [a.__ray_call__.remote(worker.run, self.group_id, key, timeout, version)
+                for a in self._procs]
+        per = self._collect(refs, timeout)
+        seconds = time.perf_counter() - t0
+        self._version = version
+        moved = {"network": 0, "domain": 0, "local": 0}
+        for st in per:
+            for k, v in st["bytes_by_path"].items():
+                moved[k] += v
+        return RefitResult(version, seconds, self.strategy, moved,
+                           moved["network"] / seconds / 1e9 if seconds > 0 else 0.0,
+                           max(st["peak_staging_bytes"] for st in per), p.stats, planned, per)
+
+    def _collect(self, refs, timeout: float) -> list:
+        grace = 5.0
+        ready, not_ready = ray.wait(refs, num_returns=len(refs), timeout=timeout + grace)
+        results, failed, messages = {}, [], []
+        for i, r in enumerate(refs):
+            if r in not_ready:
+                continue
+            try:
+                results[i] = ray.get(r)
+            except RayActorError as e:
+                failed.append(i)
+                messages.append(f"process {i} died ({type(e).__name__})")
+            except RayTaskError as e:
+                failed.append(i)
+                cause = e.cause if getattr(e, "cause", None) is not None else e
+                messages.append(f"process {i}: {type(cause).__name__}: {str(cause).splitlines()[0]}")
+        if not not_ready and not failed:
+            return [results[i] for i in range(len(refs))]
+        hung = [i for i, r in enumerate(refs) if r in not_ready]
+        for i in hung:
+            messages.append(f"process {i} did not finish within {timeout:.0f} s")
+        ranks = self._ranks_of(failed + hung)
+        self._broken = "; ".join(messages)
+        raise RefitError(f"refit failed on {', '.join(f'{s} rank {r}' for s, r in ranks)}: "
+                         + "; ".join(messages), ranks)
+
+    def _ranks_of(self, pids):
+        return [(ep.side, ep.rank) for ep, p in sorted(self._ep_pid.items(),
+                                                      key=lambda kv: (kv[0].side != "src", kv[0].rank))
+                if p in set(pids)]
+
+    @property
+    def version(self) -> int:
+        """Version of the last refit that completed on every rank."""
+        return self._version
+
+    def versions(self) -> list[int]:
+        """The version each process reports holding."""
+        return self._call_all(worker.version, self.group_id)
+
+    # ---------------------------------------------------------------- teardown
+    def close(self) -> None:
+        """Leave the collective group in every live actor and remove the node helpers."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._procs:
+            refs = [a.__ray_call__.remote(worker.teardown, self.group_id) for a in self._procs]
+            ray.wait(refs, num_returns=len(refs), timeout=10)
+        for h in self._helpers.values():
+            try:
+                ray.get(h.destroy_group.remote(self.group_id), timeout=10)
+            except Exception:
+                pass
+            ray.kill(h)
+        self._helpers = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            if not self._closed and ray.is_initialized():
+                self.close()
+        except Exception:
+            pass
+
+
+def default_timeout_s(total_bytes: int) -> float:
+    """A refit deadline from its payload: 60 s plus 20 s per GB (a floor of 50 MB/s)."""
+    return 60.0 + 20.0 * total_bytes / 1e9

@@ -1,0 +1,303 @@
+"""Code that runs inside user actors (shipped with `actor.__ray_call__`; nobody subclasses).
+
+Each function takes the actor instance first. Per-group state lives in `_GROUPS` in the actor's
+process: the collective group, shared-memory rings to peers on the node, and installed programs
+(this process's part of a plan, shipped once and reused by every later refit of that plan).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..core.pack import copy_direct, pack, shard_view, unpack
+from ..core.plan import Plan, Transfer
+from ..core.planner import NETWORK, Endpoint
+from ..errors import TransportError, TransportTimeout
+from .transport import torch_pg
+
+_GROUPS: dict[str, "_WorkerGroup"] = {}
+
+
+@dataclass
+class _Program:
+    plan: Plan
+    transfers: list[Transfer]
+    held: list[tuple[str, int, int]]      # (side, rank, tensor) shards this process holds
+    strategy: str = "reshard"
+    gb_steps: list = field(default_factory=list)
+
+
+@dataclass
+class _WorkerGroup:
+    group_id: str
+    group_name: str
+    pid: int
+    endpoints: frozenset
+    ep_pid: dict
+    device: torch.device
+    tensors_fn: Optional[Callable]
+    bucket_bytes: int
+    pg: Any = None
+    rings_out: dict = field(default_factory=dict)
+    rings_in: dict = field(default_factory=dict)
+    programs: dict = field(default_factory=dict)
+    version: int = 0
+
+
+def probe(actor) -> dict:
+    """Where this actor runs: node, process, device."""
+    from .node_helper import discover_actor_info
+    return discover_actor_info()
+
+
+def setup(actor, group_id: str, group_name: str, world: int, pid: int, backend: str,
+          ep_pid: dict, device: str, tensors_fn, bucket_bytes: int, timeout_s: float) -> int:
+    """Join the group's collective group (blocks until all members joined)."""
+    from ray.util.collective import collective as col
+
+    torch_pg.ensure_registered()
+    col.init_collective_group(world, pid, backend=torch_pg.backend_name(backend),
+                              group_name=group_name)
+    pg = col.get_group_handle(group_name)
+    eps = frozenset(ep for ep, p in ep_pid.items() if p == pid)
+    _GROUPS[group_id] = _WorkerGroup(group_id, group_name, pid, eps, dict(ep_pid),
+                                     torch.device(device), tensors_fn, bucket_bytes, pg)
+    return pid
+
+
+def attach_rings(actor, group_id: str, out: dict, inn: dict, gpu: bool = False) -> None:
+    """Map the rings the node helper created: out[peer pid] / inn[peer pid] -> segment name."""
+    if gpu:
+        from .transport.cuda_ipc import CudaIpcRing as Ring
+    else:
+        from .transport.shm import ShmRing as Ring
+    wg = _GROUPS[group_id]
+    for peer, name in out.items():
+        if peer not in wg.rings_out:
+            wg.rings_out[peer] = Ring.attach(name)
+    for peer, name in inn.items():
+        if peer not in wg.rings_in:
+            wg.rings_in[peer] = Ring.attach(name)
+
+
+def install(actor, group_id: str, key: str, plan: Plan, transfers: list, strategy: str) -> None:
+    """Cache this process's program for plan `key`."""
+    wg = _GROUPS[group_id]
+    held = []
+    for ep in sorted(wg.endpoints, key=lambda e: (e.side, e.rank)):
+        for ti, spec in enumerate(plan.specs):
+            box = spec.layout(ep.side).box(ep.rank, spec.shape)
+            if box is not None:
+                held.append((ep.side, ep.rank, ti))
+    prog = _Program(plan, transfers, held, strategy)
+    if strategy == "gather_broadcast":
+        from .gather_broadcast import build_steps
+        prog.gb_steps = build_steps(plan, wg.ep_pid, wg.pid, wg.bucket_bytes)
+        for ranks in sorted({g for s in prog.gb_steps for g in s.groups}):
+            if wg.pid in ranks and len(ranks) > 1:
+                wg.pg.subgroup(ranks)
+    wg.programs[key] = prog
+
+
+def _storage(actor, wg: _WorkerGroup) -> dict:
+    """The actor's local tensors, looked up anew (trainers rebind parameter storage)."""
+    if wg.tensors_fn is not None:
+        got = wg.tensors_fn(actor)
+    elif hasattr(actor, "reshard_tensors"):
+        got = actor.reshard_tensors()
+    else:
+        raise TypeError(f"{type(actor).__name__} has no reshard_tensors() method and the group "
+                        f"was built without tensors=")
+    if not isinstance(got, dict):
+        raise TypeError(f"tensors of {type(actor).__name__} must be a dict name -> tensor, "
+                        f"got {type(got).__name__}")
+    return got
+
+
+def _views(actor, wg: _WorkerGroup, prog: _Program) -> tuple[dict, list[str]]:
+    """(side, rank, tensor) -> shard view, plus every problem found (nothing is written)."""
+    storage = _storage(actor, wg)
+    views, errors = {}, []
+    plan = prog.plan
+    for side, rank, ti in prog.held:
+        name, spec = plan.names[ti], plan.specs[ti]
+        box = spec.layout(side).box(rank, spec.shape)
+        slot = spec.slot(side, rank, name)
+        where = f"{name!r} on {side} rank {rank}"
+        base = storage.get(slot.storage)
+        if base is None:
+            errors.append(f"{where}: no local tensor {slot.storage!r}")
+            continue
+        if not isinstance(base, torch.Tensor):
+            errors.append(f"{where}: local {slot.storage!r} is a {type(base).__name__}, not a tensor")
+            continue
+        want = spec.source_dtype if side == "src" else spec.dtype
+        if base.dtype != want:
+            errors.append(f"{where}: local {slot.storage!r} has dtype {base.dtype}, expected {want}")
+            continue
+        if base.device.type != wg.device.type:
+            errors.append(f"{where}: local {slot.storage!r} is on {base.device}, expected {wg.device}")
+            continue
+        try:
+            view = slot.view(base, box.sizes)
+        except (IndexError, RuntimeError) as e:
+            errors.append(f"{where}: cannot place shard {box.sizes} in local {slot.storage!r} of "
+                          f"shape {tuple(base.shape)} at {slot}: {e}")
+            continue
+        if tuple(view.shape) != box.sizes:
+            errors.append(f"{where}: local shard has shape {tuple(view.shape)}, expected "
+                          f"{box.sizes} (global {spec.shape}, box {box})")
+            continue
+        views[(side, rank, ti)] = view
+    return views, errors
+
+
+def prepare(actor, group_id: str, key: str) -> list[str]:
+    """Check every local tensor this process would read or write; returns problems found."""
+    wg = _GROUPS[group_id]
+    try:
+        return _views(actor, wg, wg.programs[key])[1]
+    except Exception as e:        # a broken tensors() callable is bad input too
+        return [f"process {wg.pid}: looking up local tensors failed: {type(e).__name__}: {e}"]
+
+
+class _Pool:
+    """Staging buffers of one bucket each; counts the peak bytes held."""
+
+    def __init__(self, nbytes: int, device: torch.device):
+        self.nbytes, self.device = nbytes, device
+        self.free: list[torch.Tensor] = []
+        self.live = 0
+        self.peak = 0
+
+    def get(self, n: int) -> torch.Tensor:
+        buf = self.free.pop() if self.free else torch.empty(self.nbytes, dtype=torch.uint8,
+                                                            device=self.device)
+        self.live += 1
+        self.peak = max(self.peak, self.live)
+        return buf[:n]
+
+    def put(self, buf: torch.Tensor) -> None:
+        self.live -= 1
+        self.free.append(buf._base if buf._base is not None else buf)
+
+
+def run(actor, group_id: str, key: str, timeout_s: float, version: int) -> dict:
+    """Execute this process's program; returns its statistics."""
+    wg = _GROUPS[group_id]
+    prog = wg.programs[key]
+    t0 = time.perf_counter()
+    deadline = time.monotonic() + timeout_s
+    views, errors = _views(actor, wg, prog)
+    if errors:
+        raise ValueError("; ".join(errors))
+    try:
+        if prog.strategy == "gather_broadcast":
+            from .gather_broadcast import execute
+            stats = execute(wg, prog, views, deadline)
+        else:
+            stats = _execute(wg, prog, views, deadline)
+    except (TransportError, TimeoutError, RuntimeError) as e:
+        _abort_channels(wg, str(e))
+        raise
+    wg.version = version
+    stats["seconds"] = time.perf_counter() - t0
+    stats["pid"] = wg.pid
+    return stats
+
+
+def _execute(wg: _WorkerGroup, prog: _Program, views: dict, deadline: float) -> dict:
+    plan = prog.plan
+    lookup = lambda side, rank, ti: views[(side, rank, ti)]
+    pool = _Pool(wg.bucket_bytes, wg.device)
+    pending: deque = deque()          # network ops in flight: (work, buf, transfer, is_recv)
+    window = 2                        # double buffering: at most two staging buckets live
+    moved = {"network": 0, "domain": 0, "local": 0}
+    sent = recv = 0
+
+    def complete(op):
+        work, buf, t, is_recv = op
+        torch_pg.wait(work, deadline, f"{'recv from' if is_recv else 'send to'} process "
+                                      f"{wg.ep_pid[t.src] if is_recv else wg.ep_pid[Endpoint('dst', t.dst)]}")
+        if is_recv:
+            unpack(plan, t, buf, lookup)
+        pool.put(buf)
+
+    def drain_recvs():
+        while any(op[3] for op in pending):
+            complete(pending.popleft())
+
+    for t in prog.transfers:
+        dst_ep = Endpoint("dst", t.dst)
+        here_send, here_recv = t.src in wg.endpoints, dst_ep in wg.endpoints
+        if here_send and t.src.side == "dst":
+            drain_recvs()             # a forwarded piece must have arrived first
+        if here_send and here_recv:
+            copy_direct(plan, t, lookup)
+            moved["local"] += t.nbytes
+            continue
+        peer = wg.ep_pid[dst_ep] if here_send else wg.ep_pid[t.src]
+        ring = (wg.rings_out if here_send else wg.rings_in).get(peer)
+        if t.path != NETWORK and ring is not None:
+            if here_send:
+                slot = ring.send_slot(t.nbytes, deadline)
+                pack(plan, t, lookup, out=slot)
+                ring.commit_send()
+            else:
+                slot = ring.recv_slot(deadline)
+                unpack(plan, t, slot, lookup)
+                ring.release_recv()
+            if here_recv:
+                moved[t.path] += t.nbytes
+            continue
+        while len(pending) >= window:
+            complete(pending.popleft())
+        buf = pool.get(t.nbytes)
+        if here_send:
+            pack(plan, t, lookup, out=buf)
+            pending.append((wg.pg.isend(buf, peer), buf, t, False))
+            sent += t.nbytes
+        else:
+            pending.append((wg.pg.irecv(buf, peer), buf, t, True))
+            recv += t.nbytes
+            moved[t.path] += t.nbytes
+    while pending:
+        complete(pending.popleft())
+    if wg.device.type == "cuda":
+        torch.cuda.synchronize(wg.device)
+    return {"bytes_by_path": moved, "sent_bytes": sent, "recv_bytes": recv,
+            "peak_staging_bytes": pool.peak * wg.bucket_bytes, "transfers": len(prog.transfers)}
+
+
+def _abort_channels(wg: _WorkerGroup, reason: str) -> None:
+    for ring in [*wg.rings_out.values(), *wg.rings_in.values()]:
+        try:
+            ring.abort(reason[:200])
+        except Exception:
+            pass
+
+
+def version(actor, group_id: str) -> int:
+    return _GROUPS[group_id].version
+
+
+def teardown(actor, group_id: str) -> None:
+    """Leave the group: close rings and destroy the collective group (idempotent)."""
+    from ray.util.collective import collective as col
+
+    wg = _GROUPS.pop(group_id, None)
+    if wg is None:
+        return
+    for ring in [*wg.rings_out.values(), *wg.rings_in.values()]:
+        try:
+            ring.close()
+        except Exception:
+            pass
+    try:
+        col.destroy_collective_group(wg.group_name)
+    except Exception:
+        pass
