@@ -115,12 +115,10 @@ class ReshardGroup:
         return ray.get(refs, timeout=timeout or self.setup_timeout_s)
 
     def _setup(self, backend, src_domains, dst_domains):
-        from .node_helper import start_node_helpers
-
         infos = self._call_all(worker.probe)
         self._infos = infos
         nodes = list(dict.fromkeys(i["node_id"] for i in infos))
-        self._helpers = start_node_helpers(nodes)
+        self._helpers = _node_helpers(nodes, self.setup_timeout_s)
         topo = dict(zip(nodes, ray.get([self._helpers[n].topology.remote() for n in nodes],
                                        timeout=self.setup_timeout_s)))
         proc_domain, proc_device = [], []
@@ -280,6 +278,28 @@ class ReshardGroup:
                                                       key=lambda kv: (kv[0].side != "src", kv[0].rank))
                 if p in set(pids)]
 
+    def raw_bandwidth(self, nbytes_per_pair: int, pairs=None) -> float:
+        """Aggregate GB/s of plain sends over this group's network transport.
+
+        By default source i sends `nbytes_per_pair` to destination i (all pairs at once): the
+        ceiling a refit of the same actors can reach, measured the same way.
+        """
+        if pairs is None:
+            pairs = [(self._ep_pid[Endpoint("src", i)], self._ep_pid[Endpoint("dst", i)])
+                     for i in range(min(len(self.src_actors), len(self.dst_actors)))]
+            pairs = [(s, d) for s, d in pairs if s != d]
+        sends: dict = {}
+        recvs: dict = {}
+        for s, d in pairs:
+            sends.setdefault(s, {})[d] = 1
+            recvs.setdefault(d, {})[s] = 1
+        pids = sorted(set(sends) | set(recvs))
+        timeout = default_timeout_s(nbytes_per_pair * len(pairs))
+        secs = ray.get([self._procs[p].__ray_call__.remote(
+            worker.raw_transfer, self.group_id, sends.get(p, {}), recvs.get(p, {}),
+            nbytes_per_pair, timeout) for p in pids])
+        return nbytes_per_pair * len(pairs) / max(secs) / 1e9
+
     @property
     def version(self) -> int:
         """Version of the last refit that completed on every rank."""
@@ -298,12 +318,10 @@ class ReshardGroup:
         if self._procs:
             refs = [a.__ray_call__.remote(worker.teardown, self.group_id) for a in self._procs]
             ray.wait(refs, num_returns=len(refs), timeout=10)
-        for h in self._helpers.values():
-            try:
-                ray.get(h.destroy_group.remote(self.group_id), timeout=10)
-            except Exception:
-                pass
-            ray.kill(h)
+        # Helpers are shared by the driver's groups; only this group's segments go.
+        refs = [h.destroy_group.remote(self.group_id) for h in self._helpers.values()]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=10)
         self._helpers = {}
 
     def __enter__(self):
@@ -318,6 +336,38 @@ class ReshardGroup:
                 self.close()
         except Exception:
             pass
+
+
+_HELPERS: dict = {}      # (cluster session, node id) -> NodeHelper, shared by this driver's groups
+
+
+def _session() -> str:
+    try:
+        return ray._private.worker._global_node.session_name
+    except AttributeError:
+        return ray.get_runtime_context().get_job_id()
+
+
+def _node_helpers(nodes, timeout: float) -> dict:
+    """One helper per node, started once per driver and reused (starting one costs seconds)."""
+    from .node_helper import start_node_helpers
+
+    session = _session()
+    have = {n: _HELPERS[(session, n)] for n in nodes if (session, n) in _HELPERS}
+    pings = {n: h.ping.remote() for n, h in have.items()}
+    for n, ref in pings.items():   # drop helpers that died (node loss, a user's ray.kill)
+        try:
+            ray.get(ref, timeout=timeout)
+        except Exception:
+            _HELPERS.pop((session, n), None)
+            del have[n]
+    missing = [n for n in nodes if n not in have]
+    if missing:
+        started = start_node_helpers(missing)
+        for n, h in started.items():
+            _HELPERS[(session, n)] = h
+            have[n] = h
+    return {n: have[n] for n in nodes}
 
 
 def default_timeout_s(total_bytes: int) -> float:

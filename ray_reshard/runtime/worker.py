@@ -301,3 +301,34 @@ def teardown(actor, group_id: str) -> None:
         col.destroy_collective_group(wg.group_name)
     except Exception:
         pass
+
+
+def raw_transfer(actor, group_id: str, sends: dict, recvs: dict, nbytes: int,
+                 timeout_s: float) -> float:
+    """Send `nbytes` to each peer in `sends` and receive as much from each in `recvs` over the
+    network transport, in bucket-sized messages with the executor's window; returns seconds.
+    A baseline for the refit's achieved bandwidth (no packing, no planning)."""
+    wg = _GROUPS[group_id]
+    deadline = time.monotonic() + timeout_s
+    buf = torch.zeros(min(nbytes, wg.bucket_bytes), dtype=torch.uint8, device=wg.device)
+    rbufs = [torch.empty_like(buf) for _ in range(2)]
+    ops = []
+    for peer in sends:
+        for off in range(0, nbytes, buf.numel()):
+            ops.append(("s", peer, min(buf.numel(), nbytes - off)))
+    for peer in recvs:
+        for off in range(0, nbytes, buf.numel()):
+            ops.append(("r", peer, min(buf.numel(), nbytes - off)))
+    ops.sort(key=lambda o: (o[1], o[0]))
+    t0 = time.perf_counter()
+    pending: deque = deque()
+    for i, (kind, peer, n) in enumerate(ops):
+        while len(pending) >= 2:
+            torch_pg.wait(pending.popleft(), deadline, "raw transfer")
+        work = wg.pg.isend(buf[:n], peer) if kind == "s" else wg.pg.irecv(rbufs[i % 2][:n], peer)
+        pending.append(work)
+    while pending:
+        torch_pg.wait(pending.popleft(), deadline, "raw transfer")
+    if wg.device.type == "cuda":
+        torch.cuda.synchronize(wg.device)
+    return time.perf_counter() - t0

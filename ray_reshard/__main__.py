@@ -1,0 +1,36 @@
+"""Command line: `python -m ray_reshard demo | bench | plan-scale | model-bytes`."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="ray_reshard", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("demo", help="refit a small model between two layouts on a local CPU Ray cluster")
+    d.add_argument("--layers", type=int, default=4)
+    d.add_argument("--hidden", type=int, default=512)
+    b = sub.add_parser("bench", help="reshard vs gather-broadcast vs raw bandwidth on local actors")
+    b.add_argument("--mb", type=int, default=256, help="megabytes of weights")
+    b.add_argument("--repeats", type=int, default=3)
+    sub.add_parser("plan-scale", help="plan a DeepSeek-V3-sized refit and time it")
+    sub.add_parser("model-bytes", help="bytes of real-size models under the brief's layouts")
+    args, rest = ap.parse_known_args(argv)
+    if args.cmd == "demo":
+        from .demo import run_demo
+        return run_demo(layers=args.layers, hidden=args.hidden)
+    if args.cmd == "bench":
+        from .bench.refit_bench import main as bench_main
+        return bench_main(mb=args.mb, repeats=args.repeats)
+    if args.cmd == "plan-scale":
+        from .bench.plan_scale import main as m
+        return m() or 0
+    if args.cmd == "model-bytes":
+        from .bench.model_bytes import main as m
+        return m() or 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
