@@ -75,7 +75,12 @@ def _as_dict(config: Any) -> dict:
             return json.load(f)
     to_dict = getattr(config, "to_dict", None)
     if callable(to_dict):
-        return to_dict()
+        d = to_dict()
+        # transformers may serialise a field under another name (attribute_map aliases)
+        for alias, target in (getattr(config, "attribute_map", None) or {}).items():
+            if alias not in d and target in d:
+                d[alias] = d[target]
+        return d
     raise TypeError(f"config must be a dict, a path to config.json or a transformers "
                     f"PretrainedConfig, got {type(config).__name__}")
 
@@ -115,7 +120,7 @@ def model_dims(config: Any) -> ModelDims:
         return ModelDims(**common, qkv_bias=ab, o_bias=ab, qk_norm=True)
     if fam == "qwen3_moe":
         ab = bool(c.get("attention_bias", False))
-        E = int(c.get("num_experts") or 0)
+        E = int(c.get("num_experts") or c.get("num_local_experts") or 0)
         step = int(c.get("decoder_sparse_step") or 1)
         only = set(c.get("mlp_only_layers") or ())
         moe = frozenset(l for l in range(L)
