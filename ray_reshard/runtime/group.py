@@ -29,6 +29,7 @@ class RefitResult:
     bytes_by_path: dict            # bytes moved: network / domain / local
     network_gbps: float            # network bytes / seconds
     peak_staging_bytes: int        # the largest staging memory any rank held
+    extra_bytes: int               # the largest atomic/snapshot copy any rank held
     plan_stats: PlanStats
     planned: bool                  # False when the plan came from the cache
     per_process: list = field(default_factory=list)
@@ -62,11 +63,6 @@ class ReshardGroup:
                  timeout_s: Optional[float] = None, setup_timeout_s: float = 120.0,
                  src_domains: Optional[Sequence[Any]] = None,
                  dst_domains: Optional[Sequence[Any]] = None):
-        self.src_actors = list(src_actors)
-        self.dst_actors = list(dst_actors)
-        if not self.src_actors or not self.dst_actors:
-            raise ValueError(f"need at least one source and one destination actor, got "
-                             f"{len(self.src_actors)} and {len(self.dst_actors)}")
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if backend not in ("auto", "gloo", "nccl"):
@@ -76,17 +72,29 @@ class ReshardGroup:
         self.strategy, self.bucket_bytes, self.timeout_s = strategy, bucket_bytes, timeout_s
         self.setup_timeout_s = setup_timeout_s
         self._tensors_fn = tensors
-        self.group_id = uuid.uuid4().hex
+        self._backend_arg = backend
+        self._domains_arg = (src_domains, dst_domains)
         self._closed = False
-        self._broken: Optional[str] = None
         self._version = 0
-        self._plans: dict = {}
-        self._installed: set = set()
-        self._rings: dict = {}          # (sender pid, receiver pid) -> ring name
+        self._infos: dict = {}          # actor id -> where it runs (kept across update())
         self._helpers: dict = {}
         self._procs: list = []
-        self._ep_pid: dict = {}
-        for side, actors in (("src", self.src_actors), ("dst", self.dst_actors)):
+        self.group_id = None
+        try:
+            self._bind(src_actors, dst_actors)
+            self._setup()
+        except BaseException:
+            self.close()
+            raise
+
+    # ---------------------------------------------------------------- set-up
+    def _bind(self, src_actors, dst_actors) -> None:
+        """Take new actor lists: process numbering, fresh group id and per-group caches."""
+        src_actors, dst_actors = list(src_actors), list(dst_actors)
+        if not src_actors or not dst_actors:
+            raise ValueError(f"need at least one source and one destination actor, got "
+                             f"{len(src_actors)} and {len(dst_actors)}")
+        for side, actors in (("src", src_actors), ("dst", dst_actors)):
             seen = {}
             for i, a in enumerate(actors):
                 k = _actor_key(a)
@@ -94,29 +102,32 @@ class ReshardGroup:
                     raise ValueError(f"{side} actor {i} is the same actor as {side} actor "
                                      f"{seen[k]}: each actor may appear once per side")
                 seen[k] = i
-        pid_of = {}
-        for side, actors in (("src", self.src_actors), ("dst", self.dst_actors)):
+        self.src_actors, self.dst_actors = src_actors, dst_actors
+        self.group_id = uuid.uuid4().hex
+        self._broken: Optional[str] = None
+        self._plans: dict = {}
+        self._installed: set = set()
+        self._rings: dict = {}          # (sender pid, receiver pid) -> ring name
+        self._procs, self._ep_pid, pid_of = [], {}, {}
+        for side, actors in (("src", src_actors), ("dst", dst_actors)):
             for i, a in enumerate(actors):
                 k = _actor_key(a)
                 if k not in pid_of:
                     pid_of[k] = len(self._procs)
                     self._procs.append(a)
                 self._ep_pid[Endpoint(side, i)] = pid_of[k]
-        try:
-            self._setup(backend, src_domains, dst_domains)
-        except BaseException:
-            self.close()
-            raise
 
-    # ---------------------------------------------------------------- set-up
     def _call_all(self, fn, *args, timeout: Optional[float] = None, actors=None):
         actors = self._procs if actors is None else actors
         refs = [a.__ray_call__.remote(fn, *args) for a in actors]
         return ray.get(refs, timeout=timeout or self.setup_timeout_s)
 
-    def _setup(self, backend, src_domains, dst_domains):
-        infos = self._call_all(worker.probe)
-        self._infos = infos
+    def _setup(self) -> None:
+        """Probe new actors, find domains, and build the collective group."""
+        new = [a for a in self._procs if _actor_key(a) not in self._infos]
+        for a, info in zip(new, self._call_all(worker.probe, actors=new)):
+            self._infos[_actor_key(a)] = info
+        infos = [self._infos[_actor_key(a)] for a in self._procs]
         nodes = list(dict.fromkeys(i["node_id"] for i in infos))
         self._helpers = _node_helpers(nodes, self.setup_timeout_s)
         topo = dict(zip(nodes, ray.get([self._helpers[n].topology.remote() for n in nodes],
@@ -135,6 +146,7 @@ class ReshardGroup:
         self.proc_nodes = [i["node_id"] for i in infos]
         n_src, n_dst = len(self.src_actors), len(self.dst_actors)
         pid = lambda side, i: self._ep_pid[Endpoint(side, i)]
+        src_domains, dst_domains = self._domains_arg
         self.src_domains = list(src_domains) if src_domains is not None else \
             [proc_domain[pid("src", i)] for i in range(n_src)]
         self.dst_domains = list(dst_domains) if dst_domains is not None else \
@@ -142,10 +154,11 @@ class ReshardGroup:
         self.src_devices = [proc_device[pid("src", i)] for i in range(n_src)]
         self.dst_devices = [proc_device[pid("dst", j)] for j in range(n_dst)]
         on_gpu = [i["device"].startswith("cuda") for i in infos]
+        backend = self._backend_arg
         if backend == "auto":
             backend = "nccl" if all(on_gpu) else "gloo"
         if backend == "nccl" and not all(on_gpu):
-            raise ValueError("backend='nccl' needs every actor on a GPU; actors "
+            raise ValueError("backend='nccl' needs every actor on a GPU; processes "
                              f"{[k for k, g in enumerate(on_gpu) if not g]} have none")
         self.backend = backend
         self._gpu = backend == "nccl"
@@ -157,6 +170,25 @@ class ReshardGroup:
                                       self.bucket_bytes, self.setup_timeout_s)
                 for p, a in enumerate(self._procs)]
         ray.get(refs, timeout=self.setup_timeout_s)
+
+    def update(self, src_actors: Optional[Sequence[Any]] = None,
+               dst_actors: Optional[Sequence[Any]] = None) -> float:
+        """Change membership between refits (replace, add or remove actors); returns seconds.
+
+        Works after a failed refit too. What is kept: node helpers, where each known actor runs
+        (only new actors are probed), and the planner's per-signature cache. What is rebuilt:
+        the collective group (torch process groups cannot shrink or grow) and the programs.
+        """
+        if self._closed:
+            raise RuntimeError("this ReshardGroup is closed")
+        t0 = time.perf_counter()
+        self._leave()
+        self._bind(self.src_actors if src_actors is None else src_actors,
+                   self.dst_actors if dst_actors is None else dst_actors)
+        live = {_actor_key(a) for a in self._procs}
+        self._infos = {k: v for k, v in self._infos.items() if k in live}
+        self._setup()
+        return time.perf_counter() - t0
 
     # ---------------------------------------------------------------- planning
     def plan(self, specs: Mapping[str, TensorSpec]) -> Plan:
@@ -217,8 +249,18 @@ class ReshardGroup:
                 timeout=self.setup_timeout_s)
 
     # ---------------------------------------------------------------- refit
-    def refit(self, specs: Mapping[str, TensorSpec], *, timeout_s: Optional[float] = None) -> RefitResult:
-        """Write every destination's shards of `specs` in place from the sources' shards."""
+    def refit(self, specs: Mapping[str, TensorSpec], *, atomic: bool = False,
+              snapshot: bool = False, timeout_s: Optional[float] = None) -> RefitResult:
+        """Write every destination's shards of `specs` in place from the sources' shards.
+
+        Default (atomic=False): destinations are written as bytes arrive, so a refit that fails
+        may leave them mixed (some tensors new, some old); `version` does not advance. With
+        atomic=True destinations receive into staging copies of their shards (extra memory = the
+        size of each destination's shards, reported as `extra_bytes`) and commit only once every
+        rank has received everything: a failed refit leaves every destination as it was.
+        Sources are read while the refit runs: no optimizer step may touch them until refit
+        returns, or pass snapshot=True to copy them first (extra memory = source shards).
+        """
         if self._closed:
             raise RuntimeError("this ReshardGroup is closed")
         if self._broken:
@@ -234,9 +276,19 @@ class ReshardGroup:
         timeout = timeout_s or self.timeout_s or default_timeout_s(p.stats.total_bytes)
         version = self._version + 1
         t0 = time.perf_counter()
-        refs = [a.__ray_call__.remote(worker.run, self.group_id, key, timeout, version)
+        refs = [a.__ray_call__.remote(worker.run, self.group_id, key, timeout, version, atomic,
+                                      snapshot)
                 for a in self._procs]
-        per = self._collect(refs, timeout)
+        try:
+            per = self._collect(refs, timeout)
+        except RefitError:
+            for a in self._procs:
+                a.__ray_call__.remote(worker.discard, self.group_id)
+            raise
+        # Every rank has everything: commit (atomic: write staged shards back) and take the
+        # version. Only now does any rank report the new version.
+        self._collect([a.__ray_call__.remote(worker.commit, self.group_id, version)
+                       for a in self._procs], timeout)
         seconds = time.perf_counter() - t0
         self._version = version
         moved = {"network": 0, "domain": 0, "local": 0}
@@ -245,7 +297,8 @@ class ReshardGroup:
                 moved[k] += v
         return RefitResult(version, seconds, self.strategy, moved,
                            moved["network"] / seconds / 1e9 if seconds > 0 else 0.0,
-                           max(st["peak_staging_bytes"] for st in per), p.stats, planned, per)
+                           max(st["peak_staging_bytes"] for st in per),
+                           max(st["extra_bytes"] for st in per), p.stats, planned, per)
 
     def _collect(self, refs, timeout: float) -> list:
         grace = 5.0
@@ -311,10 +364,16 @@ class ReshardGroup:
 
     # ---------------------------------------------------------------- teardown
     def close(self) -> None:
-        """Leave the collective group in every live actor and remove the node helpers."""
+        """Leave the collective group in every live actor and free this group's segments."""
         if self._closed:
             return
         self._closed = True
+        self._leave()
+        self._helpers = {}
+
+    def _leave(self) -> None:
+        if self.group_id is None:
+            return
         if self._procs:
             refs = [a.__ray_call__.remote(worker.teardown, self.group_id) for a in self._procs]
             ray.wait(refs, num_returns=len(refs), timeout=10)
@@ -322,7 +381,6 @@ class ReshardGroup:
         refs = [h.destroy_group.remote(self.group_id) for h in self._helpers.values()]
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=10)
-        self._helpers = {}
 
     def __enter__(self):
         return self

@@ -46,6 +46,7 @@ class _WorkerGroup:
     rings_in: dict = field(default_factory=dict)
     programs: dict = field(default_factory=dict)
     version: int = 0
+    staged: Any = None                # (version, [(destination view, staged copy)]) until commit
 
 
 def probe(actor) -> dict:
@@ -186,28 +187,73 @@ class _Pool:
         self.free.append(buf._base if buf._base is not None else buf)
 
 
-def run(actor, group_id: str, key: str, timeout_s: float, version: int) -> dict:
-    """Execute this process's program; returns its statistics."""
+def run(actor, group_id: str, key: str, timeout_s: float, version: int,
+        atomic: bool = False, snapshot: bool = False) -> dict:
+    """Execute this process's program; returns its statistics.
+
+    With `atomic`, destination shards are received into staging copies that only `commit`
+    writes back, so a refit that fails anywhere leaves the old weights. With `snapshot`,
+    source shards are copied first and sent from the copies.
+    """
     wg = _GROUPS[group_id]
     prog = wg.programs[key]
     t0 = time.perf_counter()
     deadline = time.monotonic() + timeout_s
+    wg.staged = None
     views, errors = _views(actor, wg, prog)
     if errors:
         raise ValueError("; ".join(errors))
+    extra = 0
+    if snapshot:
+        for k, v in views.items():
+            if k[0] == "src":
+                views[k] = v.clone()
+                extra += v.numel() * v.element_size()
+    targets = {}
+    if atomic:
+        for k, v in views.items():
+            if k[0] == "dst":
+                targets[k] = v
+                views[k] = torch.empty_like(v)
+                extra += v.numel() * v.element_size()
     try:
         if prog.strategy == "gather_broadcast":
             from .gather_broadcast import execute
             stats = execute(wg, prog, views, deadline)
         else:
             stats = _execute(wg, prog, views, deadline)
-    except (TransportError, TimeoutError, RuntimeError) as e:
+    except BaseException as e:
         _abort_channels(wg, str(e))
         raise
-    wg.version = version
+    if atomic:
+        wg.staged = (version, [(targets[k], views[k]) for k in targets])
+    else:
+        wg.staged = (version, [])
     stats["seconds"] = time.perf_counter() - t0
     stats["pid"] = wg.pid
+    stats["extra_bytes"] = extra
     return stats
+
+
+def commit(actor, group_id: str, version: int) -> int:
+    """Second phase: every rank has everything; write staged shards back and take `version`."""
+    wg = _GROUPS[group_id]
+    if wg.staged is None or wg.staged[0] != version:
+        raise RuntimeError(f"process {wg.pid} has no completed refit v{version} to commit")
+    for target, staged in wg.staged[1]:
+        target.copy_(staged)
+    if wg.device.type == "cuda":
+        torch.cuda.synchronize(wg.device)
+    wg.staged = None
+    wg.version = version
+    return version
+
+
+def discard(actor, group_id: str) -> None:
+    """Drop staged data of a refit that failed elsewhere (the old weights stay)."""
+    wg = _GROUPS.get(group_id)
+    if wg is not None:
+        wg.staged = None
 
 
 def _execute(wg: _WorkerGroup, prog: _Program, views: dict, deadline: float) -> dict:
@@ -274,11 +320,16 @@ def _execute(wg: _WorkerGroup, prog: _Program, views: dict, deadline: float) -> 
 
 
 def _abort_channels(wg: _WorkerGroup, reason: str) -> None:
+    """Fail fast everywhere: peers blocked on this process get an error, not a hang."""
     for ring in [*wg.rings_out.values(), *wg.rings_in.values()]:
         try:
             ring.abort(reason[:200])
         except Exception:
             pass
+    try:
+        wg.pg.abort()
+    except Exception:
+        pass
 
 
 def version(actor, group_id: str) -> int:
