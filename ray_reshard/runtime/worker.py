@@ -264,13 +264,19 @@ def _execute(wg: _WorkerGroup, prog: _Program, views: dict, deadline: float) -> 
     window = 2                        # double buffering: at most two staging buckets live
     moved = {"network": 0, "domain": 0, "local": 0}
     sent = recv = 0
+    clock = {"pack": 0.0, "unpack": 0.0, "wait": 0.0}
+    now = time.perf_counter
 
     def complete(op):
         work, buf, t, is_recv = op
+        t0 = now()
         torch_pg.wait(work, deadline, f"{'recv from' if is_recv else 'send to'} process "
                                       f"{wg.ep_pid[t.src] if is_recv else wg.ep_pid[Endpoint('dst', t.dst)]}")
+        t1 = now()
+        clock["wait"] += t1 - t0
         if is_recv:
             unpack(plan, t, buf, lookup)
+            clock["unpack"] += now() - t1
         pool.put(buf)
 
     def drain_recvs():
@@ -289,14 +295,20 @@ def _execute(wg: _WorkerGroup, prog: _Program, views: dict, deadline: float) -> 
         peer = wg.ep_pid[dst_ep] if here_send else wg.ep_pid[t.src]
         ring = (wg.rings_out if here_send else wg.rings_in).get(peer)
         if t.path != NETWORK and ring is not None:
+            t0 = now()
             if here_send:
                 slot = ring.send_slot(t.nbytes, deadline)
+                t1 = now()
                 pack(plan, t, lookup, out=slot)
                 ring.commit_send()
+                clock["pack"] += now() - t1
             else:
                 slot = ring.recv_slot(deadline)
+                t1 = now()
                 unpack(plan, t, slot, lookup)
                 ring.release_recv()
+                clock["unpack"] += now() - t1
+            clock["wait"] += t1 - t0
             if here_recv:
                 moved[t.path] += t.nbytes
             continue
@@ -304,7 +316,9 @@ def _execute(wg: _WorkerGroup, prog: _Program, views: dict, deadline: float) -> 
             complete(pending.popleft())
         buf = pool.get(t.nbytes)
         if here_send:
+            t0 = now()
             pack(plan, t, lookup, out=buf)
+            clock["pack"] += now() - t0
             pending.append((wg.pg.isend(buf, peer), buf, t, False))
             sent += t.nbytes
         else:
@@ -316,7 +330,8 @@ def _execute(wg: _WorkerGroup, prog: _Program, views: dict, deadline: float) -> 
     if wg.device.type == "cuda":
         torch.cuda.synchronize(wg.device)
     return {"bytes_by_path": moved, "sent_bytes": sent, "recv_bytes": recv,
-            "peak_staging_bytes": pool.peak * wg.bucket_bytes, "transfers": len(prog.transfers)}
+            "peak_staging_bytes": pool.peak * wg.bucket_bytes, "transfers": len(prog.transfers),
+            "clock": clock}
 
 
 def _abort_channels(wg: _WorkerGroup, reason: str) -> None:
