@@ -95,11 +95,31 @@ class Layout:
 
     def boxes(self, shape: Sequence[int]) -> dict[int, Box]:
         """Box of every rank in the mesh."""
-        return {r: _box(self, r, tuple(shape)) for r in self.mesh.ranks}
+        return dict(_boxes(self, tuple(shape)))
 
     @property
     def ranks(self) -> tuple[int, ...]:
         return self.mesh.ranks
+
+    def __hash__(self):
+        # Cached: layouts key the planner's caches (see Mesh.__hash__).
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.mesh, self.placements))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __eq__(self, other):
+        if self is other:
+            return True
+        if not isinstance(other, Layout):
+            return NotImplemented
+        return self.placements == other.placements and self.mesh == other.mesh
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.pop("_hash", None)
+        return state
 
     def __repr__(self) -> str:
         pl = ", ".join(f"{n}={p}" for n, p in zip(self.mesh.dim_names, self.placements))
@@ -114,6 +134,12 @@ def _extent_before(layout: Layout, shape, mesh_dim: int, tdim: int) -> int:
         if isinstance(p, Shard) and p.dim == tdim:
             n = max(p.split(n, layout.mesh.shape[i], j)[1] for j in range(layout.mesh.shape[i]))
     return n
+
+
+@lru_cache(maxsize=1 << 12)
+def _boxes(layout: Layout, shape: tuple[int, ...]) -> tuple[tuple[int, Box], ...]:
+    """(rank, box) of every rank of the mesh, in mesh order. Cached; do not mutate."""
+    return tuple((r, _box(layout, r, shape)) for r in layout.mesh.ranks)
 
 
 @lru_cache(maxsize=1 << 16)

@@ -27,6 +27,9 @@ class Mesh:
             raise ValueError("Mesh must hold at least one rank")
         flat = []
         for r in arr.reshape(-1):
+            if isinstance(r, (list, tuple, np.ndarray)):
+                raise ValueError(f"Mesh must be a rectangular grid of ranks (rows of equal "
+                                 f"length), got {ranks!r}")
             if isinstance(r, (bool, np.bool_)) or not isinstance(r, (int, np.integer)):
                 raise ValueError(f"Mesh entries must be non-negative ints, got {r!r}")
             if r < 0:
@@ -77,11 +80,24 @@ class Mesh:
         return dim
 
     def __hash__(self):
-        return hash((self.shape, self.ranks, self.dim_names))
+        # Cached: meshes key the planner's caches, and hashing hundreds of ranks adds up.
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.shape, self.ranks, self.dim_names))
+            object.__setattr__(self, "_hash", h)
+        return h
 
     def __eq__(self, other):
+        if self is other:
+            return True
         return (isinstance(other, Mesh) and self.shape == other.shape and self.ranks == other.ranks
                 and self.dim_names == other.dim_names)
+
+    def __getstate__(self):
+        # String hashes differ between processes: never ship a cached hash.
+        state = dict(self.__dict__)
+        state.pop("_hash", None)
+        return state
 
     def __repr__(self) -> str:
         grid = np.asarray(self.ranks).reshape(self.shape).tolist()

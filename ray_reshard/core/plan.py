@@ -1,7 +1,9 @@
 """The Plan: every tensor's moves, the statistics, and the per-rank schedule of buckets."""
 from __future__ import annotations
 
+import gc
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Iterable, Mapping, Optional, Sequence
@@ -83,45 +85,55 @@ class Plan:
         return {n: i for i, n in enumerate(self.names)}
 
     @cached_property
+    def _distinct(self) -> list[tuple[TensorPlan, int]]:
+        """Each distinct TensorPlan with the number of tensors that use it."""
+        counts: dict[int, list] = {}
+        for tp in self.tensor_plans:
+            c = counts.get(id(tp))
+            if c is None:
+                counts[id(tp)] = [tp, 1]
+            else:
+                c[1] += 1
+        return [(tp, n) for tp, n in counts.values()]
+
+    @cached_property
     def stats(self) -> PlanStats:
         tot = defaultdict(int)
-        send = defaultdict(int)
-        recv = defaultdict(int)
-        n_moves = 0
-        for spec, tp in zip(self.specs, self.tensor_plans):
+        distinct = self._distinct
+        for tp, n in distinct:
             s = tp.stats
-            tot["total"] += spec.nbytes
-            tot["network"] += s.network_bytes
-            tot["domain"] += s.domain_bytes
-            tot["local"] += s.local_bytes
-            tot["min"] += s.min_network_bytes
-            tot["gb"] += s.gather_broadcast_bytes
-            for r, b in s.send_bytes:
-                send[r] += b
-            for r, b in s.recv_bytes:
-                recv[r] += b
-            n_moves += len(tp.moves)
+            numel = 1
+            for d in tp.shape:
+                numel *= d
+            tot["total"] += n * numel * tp.itemsize
+            tot["network"] += n * s.network_bytes
+            tot["domain"] += n * s.domain_bytes
+            tot["local"] += n * s.local_bytes
+            tot["min"] += n * s.min_network_bytes
+            tot["gb"] += n * s.gather_broadcast_bytes
+            tot["moves"] += n * len(tp.moves)
+        send, recv = self.send_bytes_by_rank, self.recv_bytes_by_rank
         return PlanStats(
             total_bytes=tot["total"], network_bytes=tot["network"], domain_bytes=tot["domain"],
             local_bytes=tot["local"], min_network_bytes=tot["min"],
             gather_broadcast_bytes=tot["gb"], max_send_bytes=max(send.values(), default=0),
             max_recv_bytes=max(recv.values(), default=0), n_tensors=len(self.names),
-            n_moves=n_moves, n_signatures=len({id(tp) for tp in self.tensor_plans}))
+            n_moves=tot["moves"], n_signatures=len(distinct))
 
     @cached_property
     def send_bytes_by_rank(self) -> dict[int, int]:
         out = defaultdict(int)
-        for tp in self.tensor_plans:
+        for tp, n in self._distinct:
             for r, b in tp.stats.send_bytes:
-                out[r] += b
+                out[r] += n * b
         return dict(out)
 
     @cached_property
     def recv_bytes_by_rank(self) -> dict[int, int]:
         out = defaultdict(int)
-        for tp in self.tensor_plans:
+        for tp, n in self._distinct:
             for r, b in tp.stats.recv_bytes:
-                out[r] += b
+                out[r] += n * b
         return dict(out)
 
     def for_rank(self, side: str, rank: int) -> dict[str, tuple[Move, ...]]:
@@ -242,7 +254,13 @@ def _pack(plan: Plan, items: list[Item], bucket_bytes: int) -> list[tuple[Item, 
 
 
 def _transfer(plan, key, src, dst, path, items) -> Transfer:
-    nbytes = sum(it.box.numel * plan.specs[it.tensor].itemsize for it in items)
+    # Items sit back to back in the flat buffer. Largest element size first keeps every item's
+    # byte offset a multiple of its element size (sizes are powers of two), as viewing a byte
+    # buffer as a wider dtype requires: an fp32 item after a bf16 one could start at byte 2.
+    specs = plan.specs
+    if len({specs[it.tensor].itemsize for it in items}) > 1:
+        items = sorted(items, key=lambda it: -specs[it.tensor].itemsize)
+    nbytes = sum(it.box.numel * specs[it.tensor].itemsize for it in items)
     return Transfer(key, src, dst, path, tuple(items), nbytes)
 
 
@@ -266,39 +284,71 @@ def plan(specs: Mapping[str, TensorSpec], src_domains: Optional[Sequence[Any]] =
             raise TypeError(f"tensor names must be non-empty strings, got {name!r}")
         if not isinstance(spec, TensorSpec):
             raise TypeError(f"{name!r}: expected a TensorSpec, got {type(spec).__name__}")
+    src_domains, dst_domains, src_devices, dst_devices = (
+        None if v is None else tuple(v) for v in (src_domains, dst_domains, src_devices, dst_devices))
     n_src = _side_size("src", specs, src_domains, src_devices, n_src)
     n_dst = _side_size("dst", specs, dst_domains, dst_devices, n_dst)
     topo = Topology.make(n_src, n_dst, src_domains, dst_domains, src_devices, dst_devices)
-    validated: set = set()
+    # Specs usually share their layout objects: remember what was planned per (shape, dtype,
+    # layout objects, slots) so that each tensor costs a dict lookup. The specs stay alive
+    # during the loop, so the ids are not reused.
+    seen: dict = {}
     tensor_plans = []
-    for name, spec in specs.items():
-        sig = spec.signature
-        if sig not in validated:
-            spec.validate(name)
-            validated.add(sig)
-        try:
-            tensor_plans.append(plan_tensor(sig, topo))
-        except PlanError as e:
-            raise PlanError(f"{name!r}: {e}") from None
+    turns: dict = defaultdict(int)       # src layout -> tensors given a rotation so far
+    # Planning allocates only acyclic objects (hundreds of thousands of moves at scale): the
+    # cyclic collector would rescan the growing heap again and again for nothing.
+    with _gc_paused():
+        for name, spec in specs.items():
+            key = (spec.shape, spec.dtype, id(spec.src), id(spec.dst), spec.src_slots,
+                   spec.dst_slots)
+            tp = seen.get(key)
+            try:
+                if tp is None:
+                    spec.validate(name)
+                    tp = seen[key] = plan_tensor(spec.signature, topo)
+                if tp.rotations > 1:
+                    # Small tensors leave some source replicas idle: rotate which ones work
+                    # across the tensors sharing the source layout.
+                    turn = turns[spec.src]
+                    turns[spec.src] = turn + 1
+                    if turn % tp.rotations:
+                        tp = plan_tensor(spec.signature, topo, turn % tp.rotations)
+            except PlanError as e:
+                raise PlanError(f"{name!r}: {e}") from None
+            tensor_plans.append(tp)
     return Plan(specs, topo, tensor_plans)
+
+
+@contextmanager
+def _gc_paused():
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _side_size(side, specs, domains, devices, n) -> int:
     top = -1
     seen_layouts = set()
     for name, spec in specs.items():
-        lay = spec.layout(side)
-        if lay in seen_layouts:
+        lay = spec.src if side == "src" else spec.dst
+        if id(lay) in seen_layouts:
             continue
-        seen_layouts.add(lay)
+        seen_layouts.add(id(lay))
         r = max(lay.mesh.ranks)
         if r > top:
             top, top_name = r, name
+    n_from = f"n_{side}={n}"
     for given, what in ((domains, f"{side}_domains"), (devices, f"{side}_devices")):
         if given is not None:
             if n is not None and len(given) != n:
-                raise ValueError(f"{what} has {len(given)} entries but n_{side}={n}")
+                raise ValueError(f"{what} has {len(given)} entries but {n_from}: give one entry "
+                                 f"per {side} rank")
             n = len(given)
+            n_from = f"{what} has {n}"
     if n is None:
         return top + 1
     if top >= n:

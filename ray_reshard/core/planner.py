@@ -11,7 +11,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Hashable, Mapping, Optional, Sequence
 
+import numpy as np
+
 from .box import Box
+from .layout import Layout, _boxes
+from .mesh import Mesh
 from .spec import TensorSpec
 
 LOCAL, DOMAIN, NETWORK = "local", "domain", "network"
@@ -32,7 +36,7 @@ class Endpoint:
         return f"{self.side}{self.rank}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Move:
     """`box` (global coordinates) goes from `src` to destination rank `dst` over `path`.
 
@@ -72,10 +76,41 @@ class Topology:
                 if not isinstance(v, Hashable):
                     raise TypeError(f"{what} entries must be hashable, got {v!r}")
             return vals
-        return cls(fill(src_domains, n_src, lambda i: ("src", i), "src_domains"),
+        topo = cls(fill(src_domains, n_src, lambda i: ("src", i), "src_domains"),
                    fill(dst_domains, n_dst, lambda i: ("dst", i), "dst_domains"),
                    fill(src_devices, n_src, lambda i: ("src", i), "src_devices"),
                    fill(dst_devices, n_dst, lambda i: ("dst", i), "dst_devices"))
+        # Reuse an equal topology made before: the plan cache then compares keys by identity
+        # instead of comparing four tuples of every rank's ids on each lookup.
+        known = _TOPOLOGIES.get(topo)
+        if known is not None:
+            return known
+        if len(_TOPOLOGIES) >= 64:
+            _TOPOLOGIES.clear()
+        _TOPOLOGIES[topo] = topo
+        return topo
+
+    def __hash__(self):
+        # Cached: the topology keys the per-tensor plan cache once per tensor.
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.src_domains, self.dst_domains, self.src_devices, self.dst_devices))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __eq__(self, other):
+        if self is other:
+            return True
+        if not isinstance(other, Topology):
+            return NotImplemented
+        return (self.src_domains == other.src_domains and self.dst_domains == other.dst_domains
+                and self.src_devices == other.src_devices
+                and self.dst_devices == other.dst_devices)
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.pop("_hash", None)
+        return state
 
     @property
     def n_src(self) -> int:
@@ -84,6 +119,9 @@ class Topology:
     @property
     def n_dst(self) -> int:
         return len(self.dst_domains)
+
+
+_TOPOLOGIES: dict = {}
 
 
 @dataclass(frozen=True)
@@ -108,6 +146,11 @@ class TensorPlan:
     moves: tuple[Move, ...]
     stats: TensorStats
 
+    @property
+    def rotations(self) -> int:
+        """How many tie-break rotations give different source choices (1: no choice left)."""
+        return self.__dict__.get("_rotations", 1)
+
     def moves_for(self, ep: Endpoint) -> tuple[Move, ...]:
         """Moves that `ep` sends or receives (cached per endpoint)."""
         idx = self.__dict__.get("_by_ep")
@@ -122,11 +165,14 @@ class TensorPlan:
         return idx.get(ep, ())
 
 
-def _classes(boxes: Mapping[int, Box]) -> list[tuple[Box, tuple[int, ...]]]:
-    """Group ranks holding the same box; drop empty boxes. Deterministic order."""
+def _classes(boxes) -> list[tuple[Box, tuple[int, ...]]]:
+    """Group ranks holding the same box; drop empty boxes. Deterministic order (by rank).
+
+    `boxes` is a mapping rank -> box or an iterable of (rank, box) pairs.
+    """
+    items = boxes.items() if isinstance(boxes, Mapping) else boxes
     groups: dict[Box, list[int]] = {}
-    for r in sorted(boxes):
-        b = boxes[r]
+    for r, b in sorted(items, key=lambda rb: rb[0]):
         if b.empty:
             continue
         groups.setdefault(b, []).append(r)
@@ -134,41 +180,228 @@ def _classes(boxes: Mapping[int, Box]) -> list[tuple[Box, tuple[int, ...]]]:
 
 
 @lru_cache(maxsize=1 << 14)
-def plan_tensor(spec_signature: tuple, topo: Topology) -> TensorPlan:
-    """Plan one tensor signature (see TensorSpec.signature) on a topology. Cached."""
+def plan_tensor(spec_signature: tuple, topo: Topology, rotation: int = 0) -> TensorPlan:
+    """Plan one tensor signature (see TensorSpec.signature) on a topology. Cached.
+
+    The plan depends on the ranks only through their mesh positions and the equalities between
+    their domains and devices. So the planning itself runs once per *canonical* problem (ranks
+    renamed to mesh positions, domains and devices to first-appearance numbers), and the result
+    is renamed back. Pipeline stages or expert owners that differ only by which ranks they use
+    share one canonical plan.
+
+    `rotation` shifts which source replica wins a tie in load. When a tensor has fewer pieces
+    than source replicas, some replicas send nothing; `plan()` then gives the tensors laid out
+    alike successive rotations (see `TensorPlan.rotations`) so the load spreads across tensors.
+    """
     shape, itemsize, src_layout, dst_layout = spec_signature
-    src_classes = _classes(src_layout.boxes(shape))
-    dst_classes = _classes(dst_layout.boxes(shape))
+    sranks, dranks = src_layout.mesh.ranks, dst_layout.mesh.ranks
+    canon_topo = _canonical_topology(src_layout.mesh, dst_layout.mesh, topo)
+    canon = _canonical_plan(shape, itemsize, src_layout.mesh.shape, src_layout.placements,
+                            dst_layout.mesh.shape, dst_layout.placements, canon_topo,
+                            rotation % _rotations_of(shape, itemsize, src_layout, dst_layout,
+                                                     canon_topo) if rotation else 0)
+    return _rename(canon, sranks, dranks)
+
+
+def _rotations_of(shape, itemsize, src_layout, dst_layout, canon_topo) -> int:
+    return _canonical_plan(shape, itemsize, src_layout.mesh.shape, src_layout.placements,
+                           dst_layout.mesh.shape, dst_layout.placements, canon_topo, 0).rotations
+
+
+def _canonical_topology(src_mesh: Mesh, dst_mesh: Mesh, topo: Topology) -> Topology:
+    """Domains and devices of the two meshes' ranks (in mesh order), as canonical labels.
+
+    Each side numbers its domain (device) ids 0, 1, ... by first appearance in mesh order; a
+    destination id that is not also a source id becomes -1, -2, ... instead, and one that is a
+    source id takes that id's label. Equal problems up to renaming get equal topologies.
+    """
+    sdom, sdev, sdom_of, sdev_of = _side_labels(src_mesh, topo, "src")
+    ddom, ddev, ddom_of, ddev_of = _side_labels(dst_mesh, topo, "dst")
+    return Topology(sdom, _link(ddom, ddom_of, sdom_of), sdev, _link(ddev, ddev_of, sdev_of))
+
+
+def _link(labels: tuple, own: dict, other: dict) -> tuple:
+    """Destination labels: -(first-appearance number + 1), or the source label of the same id."""
+    shared = own.keys() & other.keys()
+    if not shared:
+        return labels
+    remap = {own[v]: other[v] for v in shared}
+    return tuple([remap.get(x, x) for x in labels])
+
+
+@lru_cache(maxsize=1 << 12)
+def _side_labels(mesh: Mesh, topo: Topology, side: str):
+    """First-appearance labels of the domains and devices of `mesh`'s ranks on `side`."""
+    ranks = mesh.ranks
+    _check_ranks(side, ranks, topo.n_src if side == "src" else topo.n_dst)
+    domains = topo.src_domains if side == "src" else topo.dst_domains
+    devices = topo.src_devices if side == "src" else topo.dst_devices
+    dom_of: dict = {}
+    dev_of: dict = {}
+    if side == "src":
+        dom = tuple([dom_of.setdefault(domains[r], len(dom_of)) for r in ranks])
+        dev = tuple([dev_of.setdefault(devices[r], len(dev_of)) for r in ranks])
+    else:
+        dom = tuple([dom_of.setdefault(domains[r], -1 - len(dom_of)) for r in ranks])
+        dev = tuple([dev_of.setdefault(devices[r], -1 - len(dev_of)) for r in ranks])
+    return dom, dev, dom_of, dev_of
+
+
+def _check_ranks(side: str, ranks: Sequence[int], n: int) -> None:
+    top = max(ranks)
+    if top >= n:
+        raise PlanError(f"the {side} mesh uses rank {top}, but the topology has only {n} {side} "
+                        f"ranks (0..{n - 1})")
+
+
+@lru_cache(maxsize=256)
+def _canonical_layout(mesh_shape: tuple[int, ...], placements: tuple) -> Layout:
+    return Layout(Mesh.from_shape(mesh_shape), placements)
+
+
+@lru_cache(maxsize=1 << 12)
+def _canonical_plan(shape, itemsize, src_mesh_shape, src_placements, dst_mesh_shape,
+                    dst_placements, topo: Topology, rotation: int) -> TensorPlan:
+    """The plan over ranks 0..n-1 (mesh positions), verified."""
+    src_layout = _canonical_layout(src_mesh_shape, src_placements)
+    dst_layout = _canonical_layout(dst_mesh_shape, dst_placements)
+    moves, rotations = _plan_moves(shape, itemsize, src_layout, dst_layout, topo, rotation)
+    _verify_cover(shape, dst_layout, moves)
+    tp = TensorPlan(shape, itemsize, moves,
+                    _stats(shape, itemsize, src_layout, dst_layout, topo, moves))
+    object.__setattr__(tp, "_rotations", rotations)
+    return tp
+
+
+_new = object.__new__
+
+
+_set_src, _set_dst = Move.src.__set__, Move.dst.__set__
+_set_box, _set_path = Move.box.__set__, Move.path.__set__
+
+
+def _move(src: Endpoint, dst: int, box: Box, path: str) -> Move:
+    """Move(src, dst, box, path) without the frozen-dataclass __init__ (hot path)."""
+    m = _new(Move)
+    _set_src(m, src)
+    _set_dst(m, dst)
+    _set_box(m, box)
+    _set_path(m, path)
+    return m
+
+
+_ENDPOINTS: dict = {}
+
+
+def _endpoint(side: str, rank: int) -> Endpoint:
+    """A shared Endpoint instance (renaming creates hundreds of thousands of moves)."""
+    e = _ENDPOINTS.get((side, rank))
+    if e is None:
+        e = _ENDPOINTS[(side, rank)] = Endpoint(side, rank)
+    return e
+
+
+def _compact(moves: tuple[Move, ...]) -> tuple:
+    """Moves as columns: distinct senders, sender index, receiver, box and path of each move."""
+    senders = tuple(dict.fromkeys(m.src for m in moves))
+    index = {e: i for i, e in enumerate(senders)}
+    return (senders, tuple([index[m.src] for m in moves]), tuple([m.dst for m in moves]),
+            tuple([m.box for m in moves]), tuple([m.path for m in moves]))
+
+
+def _rename(canon: TensorPlan, sranks: tuple, dranks: tuple) -> TensorPlan:
+    """`canon` with mesh position i renamed to the rank at that position, on each side."""
+    st = canon.stats
+    stats = TensorStats(
+        network_bytes=st.network_bytes, domain_bytes=st.domain_bytes, local_bytes=st.local_bytes,
+        min_network_bytes=st.min_network_bytes, gather_broadcast_bytes=st.gather_broadcast_bytes,
+        send_bytes=tuple(sorted((sranks[i], b) for i, b in st.send_bytes)),
+        recv_bytes=tuple(sorted((dranks[i], b) for i, b in st.recv_bytes)))
+    dst_same = _is_identity(dranks)
+    if dst_same and _is_identity(sranks):
+        moves = canon.moves
+    else:
+        compact = canon.__dict__.get("_compact")
+        if compact is None:
+            compact = _compact(canon.moves)
+            object.__setattr__(canon, "_compact", compact)
+        senders, sidx, dsts, boxes, paths = compact
+        real = [_endpoint(e.side, (sranks if e.side == "src" else dranks)[e.rank])
+                for e in senders]
+        if not dst_same:
+            dsts = map(dranks.__getitem__, dsts)
+        moves = tuple(map(_move, map(real.__getitem__, sidx), dsts, boxes, paths))
+    tp = TensorPlan(canon.shape, canon.itemsize, moves, stats)
+    object.__setattr__(tp, "_rotations", canon.rotations)
+    return tp
+
+
+def _is_identity(ranks: tuple) -> bool:
+    return ranks[0] == 0 and ranks[-1] == len(ranks) - 1 and ranks == tuple(range(len(ranks)))
+
+
+def _plan_moves(shape, itemsize, src_layout: Layout, dst_layout: Layout, topo: Topology,
+                rotation: int = 0) -> tuple[tuple[Move, ...], int]:
+    """The moves: exact intersections, balanced replica choice, one network copy per domain.
+
+    Also returns how many rotations of the tie-break give different plans: 1 when every
+    replica of every source class that sends anything sends some of it.
+    """
+    src_classes = _classes(_boxes(src_layout, shape))
+    dst_classes = _classes(_boxes(dst_layout, shape))
     sdom, ddom, sdev, ddev = topo.src_domains, topo.dst_domains, topo.src_devices, topo.dst_devices
     load: dict[int, int] = defaultdict(int)
     moves: list[Move] = []
 
+    def sep(h: int) -> Endpoint:
+        return _endpoint("src", h)
+
+    def dep(r: int) -> Endpoint:
+        return _endpoint("dst", r)
+
+    picked: set = set()
+
     def pick(holders: Sequence[int]) -> int:
-        return min(holders, key=lambda h: (load[h], h))
+        n = len(holders)
+        best, best_key = holders[0], None
+        for i, h in enumerate(holders):
+            key = (load[h], (i - rotation) % n)
+            if best_key is None or key < best_key:
+                best, best_key = h, key
+        picked.add(best)
+        return best
+
+    # Per source class: its holders grouped by domain.
+    src_by_domain = []
+    for sbox, holders in src_classes:
+        near: dict[Any, list[int]] = {}
+        for h in holders:
+            near.setdefault(sdom[h], []).append(h)
+        src_by_domain.append(near)
 
     for dbox, replicas in dst_classes:
         by_domain: dict[Any, list[int]] = {}
         for r in replicas:
             by_domain.setdefault(ddom[r], []).append(r)
-        for sbox, holders in src_classes:
+        for (sbox, holders), near_of in zip(src_classes, src_by_domain):
             x = dbox.intersect(sbox)
             if x is None:
                 continue
             xbytes = x.numel * itemsize
             far_domains = []
             for dom, rs in by_domain.items():
-                near = [h for h in holders if sdom[h] == dom]
+                near = near_of.get(dom)
                 if not near:
                     far_domains.append(rs)
                     continue
                 for r in rs:
                     same = [h for h in near if sdev[h] == ddev[r]]
                     if same:
-                        moves.append(Move(Endpoint("src", same[0]), r, x, LOCAL))
+                        moves.append(_move(sep(same[0]), r, x, LOCAL))
                     else:
                         h = pick(near)
                         load[h] += xbytes
-                        moves.append(Move(Endpoint("src", h), r, x, DOMAIN))
+                        moves.append(_move(sep(h), r, x, DOMAIN))
             if not far_domains:
                 continue
             splits = [x.split(len(rs)) for rs in far_domains]
@@ -180,15 +413,18 @@ def plan_tensor(spec_signature: tuple, topo: Topology) -> TensorPlan:
                     for sub in piece.split(max(1, fan)):
                         h = pick(holders)
                         load[h] += sub.numel * itemsize
-                        moves.append(Move(Endpoint("src", h), receiver, sub, NETWORK))
+                        moves.append(_move(sep(h), receiver, sub, NETWORK))
+                        rep = dep(receiver)
                         for other in rs:
                             if other != receiver:
                                 path = LOCAL if ddev[other] == ddev[receiver] else DOMAIN
-                                moves.append(Move(Endpoint("dst", receiver), other, sub, path))
-    moves_t = tuple(moves)
-    _verify_cover(shape, dst_layout, moves_t)
-    return TensorPlan(shape, itemsize, moves_t,
-                      _stats(shape, itemsize, src_layout, dst_layout, topo, moves_t))
+                                moves.append(_move(rep, other, sub, path))
+    rotations = 1
+    for _, holders in src_classes:
+        used = sum(1 for h in holders if h in picked)
+        if 0 < used < len(holders):
+            rotations = max(rotations, len(holders))
+    return tuple(moves), rotations
 
 
 class PlanError(ValueError):
@@ -200,11 +436,16 @@ def _verify_cover(shape, dst_layout, moves: Sequence[Move]) -> None:
     into: dict[int, list[Box]] = defaultdict(list)
     for m in moves:
         into[m.dst].append(m.box)
-    for r, box in dst_layout.boxes(shape).items():
+    checked: set = set()        # replicas often receive the very same pieces: check once
+    for r, box in _boxes(dst_layout, tuple(shape)):
         got = into.pop(r, [])
         if box.empty:
             if got:
                 raise PlanError(f"destination rank {r} holds nothing but is sent {got}")
+            continue
+        # A valid set has no duplicates: equal length and equal set mean the same pieces.
+        key = (box, len(got), frozenset(got)) if len(got) > 1 else None
+        if key is not None and key in checked:
             continue
         total = 0
         for b in got:
@@ -216,6 +457,8 @@ def _verify_cover(shape, dst_layout, moves: Sequence[Move]) -> None:
             missing = box.numel - total
             raise PlanError(f"destination rank {r}: {missing} elements of its shard {box} "
                             f"are held by no source")
+        if key is not None:
+            checked.add(key)
     if into:
         raise PlanError(f"moves into ranks outside the destination mesh: {sorted(into)}")
 
@@ -251,9 +494,9 @@ def _stats(shape, itemsize, src_layout, dst_layout, topo: Topology,
     for s in shape:
         full *= s
     full *= itemsize
-    src_boxes = src_layout.boxes(shape)
-    gather = sum(full - b.numel * itemsize for b in src_boxes.values())
-    n_dst_holding = sum(1 for b in dst_layout.boxes(shape).values() if not b.empty)
+    shape = tuple(shape)
+    gather = sum(full - b.numel * itemsize for _, b in _boxes(src_layout, shape))
+    n_dst_holding = sum(1 for _, b in _boxes(dst_layout, shape) if not b.empty)
     return TensorStats(
         network_bytes=by_path[NETWORK], domain_bytes=by_path[DOMAIN], local_bytes=by_path[LOCAL],
         min_network_bytes=min_network_bytes(shape, itemsize, src_layout, dst_layout, topo),
@@ -265,46 +508,59 @@ def min_network_bytes(shape, itemsize, src_layout, dst_layout, topo: Topology) -
     """Lower bound, computed on the grid of all shard boundaries, independently of any plan.
 
     For each grid cell: its bytes times the number of destination domains that need the cell
-    and hold no source copy of it.
+    and hold no source copy of it. Every box is a block of whole grid cells, so a domain's
+    needs (and holdings) are a union of blocks, painted on a boolean grid.
     """
-    import numpy as np
+    shape = tuple(shape)
+    src = [(r, b) for r, b in _boxes(src_layout, shape) if not b.empty]
+    dst = [(r, b) for r, b in _boxes(dst_layout, shape) if not b.empty]
+    if not dst:
+        return 0
+    cuts = []
+    for d, n in enumerate(shape):
+        c = {0, n}
+        for _, b in src + dst:
+            c.add(b.offsets[d])
+            c.add(b.offsets[d] + b.sizes[d])
+        cuts.append(sorted(c))
+    pos = [{v: i for i, v in enumerate(c)} for c in cuts]
 
-    if len(shape) == 0:
-        cells_lo = np.zeros((1, 0), dtype=np.int64)
-        cell_bytes = np.array([itemsize], dtype=np.int64)
-    else:
-        cuts = []
-        for d, n in enumerate(shape):
-            c = {0, n}
-            for lay in (src_layout, dst_layout):
-                for b in lay.boxes(shape).values():
-                    c.add(b.offsets[d])
-                    c.add(b.offsets[d] + b.sizes[d])
-            cuts.append(np.array(sorted(c), dtype=np.int64))
-        los = np.meshgrid(*[c[:-1] for c in cuts], indexing="ij")
-        lens = np.meshgrid(*[np.diff(c) for c in cuts], indexing="ij")
-        cells_lo = np.stack([a.reshape(-1) for a in los], axis=1)
-        cell_bytes = np.prod(np.stack([a.reshape(-1) for a in lens], axis=1), axis=1) * itemsize
+    def block(b: Box) -> tuple[tuple[int, int], ...]:
+        return tuple((p[o], p[o + n]) for p, o, n in zip(pos, b.offsets, b.sizes))
 
-    def holders(layout, domains):
-        """(cells x domains) bool: the domain has a rank whose box contains the cell."""
-        dom_ids = {d: i for i, d in enumerate(dict.fromkeys(domains))}
-        out = np.zeros((len(cells_lo), len(dom_ids)), dtype=bool)
-        for r, b in layout.boxes(shape).items():
-            if b.empty:
-                continue
-            lo = np.array(b.offsets, dtype=np.int64)
-            hi = lo + np.array(b.sizes, dtype=np.int64)
-            inside = np.all((cells_lo >= lo) & (cells_lo < hi), axis=1)
-            out[:, dom_ids[domains[r]]] |= inside
-        return out, dom_ids
-
-    need, need_ids = holders(dst_layout, topo.dst_domains)
-    have, have_ids = holders(src_layout, topo.src_domains)
+    need: dict[Any, set] = defaultdict(set)
+    have: dict[Any, set] = defaultdict(set)
+    for r, b in dst:
+        need[topo.dst_domains[r]].add(block(b))
+    for r, b in src:
+        have[topo.src_domains[r]].add(block(b))
+    # Domains with the same needs and holdings cost the same: count each kind once.
+    kinds: dict[tuple, int] = defaultdict(int)
+    for dom, blocks in need.items():
+        kinds[(frozenset(blocks), frozenset(have.get(dom, ())))] += 1
+    cell_bytes = np.full((), itemsize, dtype=np.int64)
+    for c in cuts:
+        cell_bytes = np.multiply.outer(cell_bytes, np.diff(np.asarray(c, dtype=np.int64)))
     total = 0
-    for dom, j in need_ids.items():
-        missing = need[:, j].copy()
-        if dom in have_ids:
-            missing &= ~have[:, have_ids[dom]]
-        total += int(cell_bytes[missing].sum())
+    for (needed, held), count in kinds.items():
+        missing = np.zeros(cell_bytes.shape, dtype=bool)
+        for blk in needed:
+            missing[tuple(slice(a, b) for a, b in blk)] = True
+        for blk in held:
+            missing[tuple(slice(a, b) for a, b in blk)] = False
+        total += count * int(cell_bytes[missing].sum())
     return total
+
+
+def clear_caches() -> None:
+    """Forget every cached plan, box and interned object (for benchmarks and tests)."""
+    from .layout import _box, _boxes
+
+    plan_tensor.cache_clear()
+    _canonical_plan.cache_clear()
+    _canonical_layout.cache_clear()
+    _side_labels.cache_clear()
+    _boxes.cache_clear()
+    _box.cache_clear()
+    _ENDPOINTS.clear()
+    _TOPOLOGIES.clear()

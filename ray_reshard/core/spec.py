@@ -1,6 +1,7 @@
 """TensorSpec: one logical tensor, its layout on each side, and where each rank stores it."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
@@ -70,7 +71,7 @@ class TensorSpec:
         if not isinstance(shape, (tuple, list)):
             raise TypeError(f"shape must be a tuple of ints, got {shape!r}")
         for s in shape:
-            if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            if isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 0:
                 raise ValueError(f"shape {tuple(shape)} must hold non-negative ints, got {s!r}")
         object.__setattr__(self, "shape", tuple(int(s) for s in shape))
         if not isinstance(self.dtype, torch.dtype):
@@ -89,7 +90,7 @@ class TensorSpec:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return _itemsize(self.dtype)
 
     @property
     def numel(self) -> int:
@@ -131,5 +132,11 @@ class TensorSpec:
                                          f"the {side} mesh {sorted(mesh_ranks)}")
 
 
+_ITEMSIZE: dict = {}
+
+
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    n = _ITEMSIZE.get(dtype)
+    if n is None:
+        n = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype).element_size()
+    return n
