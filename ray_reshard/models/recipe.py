@@ -2,6 +2,8 @@
 full HF state dict, each rank's storage (and back)."""
 from __future__ import annotations
 
+import gc
+from contextlib import contextmanager
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
@@ -13,6 +15,20 @@ from .pieces import Piece, enumerate_pieces, hf_shapes, resolve_hf_experts
 from .sides import Side, StorageDecl, make_side
 
 SIDES = {"src": "src", "train": "src", "dst": "dst", "infer": "dst"}
+
+
+@contextmanager
+def gc_paused():
+    """Pause the cyclic garbage collector: spec building allocates millions of small acyclic
+    tuples (a slot per rank per tensor), and collections triggered by them cost more than the
+    building itself at real model size."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _piece_dtype(pc: Piece, dtype: torch.dtype) -> torch.dtype:
@@ -41,14 +57,15 @@ class Recipe:
     def specs(self, dtype: torch.dtype = torch.bfloat16,
               src_dtype: Optional[torch.dtype] = None) -> dict[str, TensorSpec]:
         out = {}
-        for pc in self.pieces:
-            s_lay, s_slots = self.src.place(pc)
-            d_lay, d_slots = self.dst.place(pc)
-            dt = _piece_dtype(pc, dtype)
-            sdt = _piece_dtype(pc, src_dtype) if src_dtype is not None else None
-            out[pc.name] = TensorSpec(pc.shape, dt, s_lay, d_lay,
-                                      src_dtype=None if sdt == dt else sdt,
-                                      src_slots=s_slots, dst_slots=d_slots)
+        with gc_paused():
+            for pc in self.pieces:
+                s_lay, s_slots = self.src.place(pc)
+                d_lay, d_slots = self.dst.place(pc)
+                dt = _piece_dtype(pc, dtype)
+                sdt = _piece_dtype(pc, src_dtype) if src_dtype is not None else None
+                out[pc.name] = TensorSpec(pc.shape, dt, s_lay, d_lay,
+                                          src_dtype=None if sdt == dt else sdt,
+                                          src_slots=s_slots, dst_slots=d_slots)
         return out
 
 
@@ -176,7 +193,7 @@ def assemble_state_dict(config: Any, parallel, storages: Union[Sequence[Mapping[
     for pc in pieces:
         layout, slots = sd.place(pc)
         shards = {}
-        for r, slot in slots.items():
+        for r, slot in slots:
             if r in storages:
                 box = layout.box(r, pc.shape)
                 shards[r] = slot.view(storages[r][slot.storage], box.sizes)

@@ -9,6 +9,7 @@ classes (qkv_proj, gate_up_proj, FusedMoE w13/w2, fused_qkv_a_proj for MLA with 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Optional
 
 import numpy as np
@@ -34,24 +35,22 @@ def _div(a: int, b: int, what: str) -> int:
     return a // b
 
 
-def _layout(grid: np.ndarray, placements) -> Layout:
-    grid = np.asarray(grid)
-    names = tuple(f"m{i}" for i in range(grid.ndim))
-    return Layout(Mesh(grid.tolist(), names), tuple(placements))
+class SlotTable(tuple):
+    """((rank, Slot), ...) sorted by rank, the frozen form TensorSpec keeps, with dict-like
+    lookup by rank."""
 
+    def get(self, rank: int, default=None):
+        d = self.__dict__.get("_d")
+        if d is None:
+            d = self.__dict__["_d"] = dict(self)
+        return d.get(rank, default)
 
-def _rep(grid: np.ndarray) -> Layout:
-    """Every rank of the grid holds the whole piece."""
-    return _layout(np.asarray(grid).reshape(-1), (Replicate(),))
-
-
-def _shard(grid: np.ndarray, dim: int, block: Optional[int] = None) -> Layout:
-    """grid [replicas, tp]: replicate over rows, shard tensor dim `dim` over columns."""
-    return _layout(grid, (Replicate(), Shard(dim, block)))
+    def items(self):
+        return iter(self)
 
 
 class Side:
-    """Common part: placement caching and the per-rank slot dicts."""
+    """Common part: placement and layout caching, the per-rank slot tables."""
 
     name = "side"
     needs_group_split = False
@@ -59,17 +58,20 @@ class Side:
 
     def __init__(self, dims: ModelDims):
         self.d = dims
-        self._cache: dict[str, tuple[Layout, dict[int, Slot]]] = {}
+        self._cache: dict[str, tuple[Layout, SlotTable]] = {}
+        self._layouts: dict[tuple, Layout] = {}
+        self._grids: dict[tuple, np.ndarray] = {}
+        self._sorted: dict[int, tuple[int, ...]] = {}     # id(layout) -> sorted ranks
 
     @property
     def n_ranks(self) -> int:
         raise NotImplementedError
 
-    def place(self, pc: Piece) -> tuple[Layout, dict[int, Slot]]:
+    def place(self, pc: Piece) -> tuple[Layout, SlotTable]:
+        """The piece's layout on this side and the Slot of every rank holding part of it."""
         got = self._cache.get(pc.name)
         if got is None:
-            layout, slots = self._place(pc)
-            got = self._cache[pc.name] = (layout, slots)
+            got = self._cache[pc.name] = self._place(pc)
         return got
 
     def _place(self, pc: Piece):
@@ -78,9 +80,36 @@ class Side:
     def storages(self, rank: int) -> dict[str, StorageDecl]:
         raise NotImplementedError
 
+    # layouts (cached: the planner keys its caches on them, and meshes are not free to build)
+    def _layout(self, grid: np.ndarray, placements) -> Layout:
+        grid = np.asarray(grid)
+        key = (grid.shape, grid.tobytes(),
+               tuple((type(p).__name__, getattr(p, "dim", None), getattr(p, "block", None))
+                     for p in placements))
+        lay = self._layouts.get(key)
+        if lay is None:
+            names = tuple(f"m{i}" for i in range(grid.ndim))
+            lay = self._layouts[key] = Layout(Mesh(grid.tolist(), names), tuple(placements))
+        return lay
+
+    def _rep(self, grid: np.ndarray) -> Layout:
+        """Every rank of the grid holds the whole piece."""
+        return self._layout(np.asarray(grid).reshape(-1), (Replicate(),))
+
+    def _shard(self, grid: np.ndarray, dim: int, block: Optional[int] = None) -> Layout:
+        """grid [replicas, tp]: replicate over rows, shard tensor dim `dim` over columns."""
+        return self._layout(grid, (Replicate(), Shard(dim, block)))
+
+    def _same(self, layout: Layout, slot: Slot) -> tuple[Layout, SlotTable]:
+        """Every rank of the layout keeps the piece in the same slot."""
+        ranks = self._sorted.get(id(layout))
+        if ranks is None:
+            ranks = self._sorted[id(layout)] = tuple(sorted(layout.mesh.ranks))
+        return layout, SlotTable(zip(ranks, repeat(slot)))
+
     @staticmethod
-    def _same(layout: Layout, slot: Slot) -> tuple[Layout, dict[int, Slot]]:
-        return layout, {r: slot for r in layout.mesh.ranks}
+    def _table(slots: dict) -> SlotTable:
+        return SlotTable(sorted(slots.items()))
 
 
 # --------------------------------------------------------------------------------------------
@@ -122,13 +151,23 @@ class MegatronSide(Side):
 
     # grids -------------------------------------------------------------------------------
     def dense_grid(self, s: int) -> np.ndarray:
-        p = self.par
-        return np.arange(s * p.stage_size, (s + 1) * p.stage_size).reshape(p.dp * p.cp, p.tp)
+        """Ranks of stage s for dense parameters: [dp * cp, tp]."""
+        g = self._grids.get(("dense", s))
+        if g is None:
+            p = self.par
+            g = np.arange(s * p.stage_size, (s + 1) * p.stage_size).reshape(p.dp * p.cp, p.tp)
+            self._grids[("dense", s)] = g
+        return g
 
     def expert_grid(self, s: int) -> np.ndarray:
-        p = self.par
-        return np.arange(s * p.stage_size, (s + 1) * p.stage_size).reshape(
-            p.expert_dp, p.ep, p.expert_tp)
+        """Ranks of stage s for expert parameters: [edp, ep, etp]."""
+        g = self._grids.get(("expert", s))
+        if g is None:
+            p = self.par
+            g = np.arange(s * p.stage_size, (s + 1) * p.stage_size).reshape(
+                p.expert_dp, p.ep, p.expert_tp)
+            self._grids[("expert", s)] = g
+        return g
 
     def _prefix(self, layer: int) -> str:
         return f"decoder.layers.{self.local_of[layer]}."
@@ -140,20 +179,20 @@ class MegatronSide(Side):
         if k == "embed":
             if d.tie and par.pp > 1:
                 grid = np.stack([self.dense_grid(0), self.dense_grid(last)])
-                lay = _layout(grid, (Replicate(), Replicate(), Shard(0, self.vblock)))
+                lay = self._layout(grid, (Replicate(), Replicate(), Shard(0, self.vblock)))
                 slots = {}
                 for r in self.dense_grid(0).reshape(-1):
                     slots[int(r)] = Slot("embedding.word_embeddings.weight", dim=0)
                 for r in self.dense_grid(last).reshape(-1):
                     slots[int(r)] = Slot("output_layer.weight", dim=0)
-                return lay, slots
-            return self._same(_shard(self.dense_grid(0), 0, self.vblock),
+                return lay, self._table(slots)
+            return self._same(self._shard(self.dense_grid(0), 0, self.vblock),
                               Slot("embedding.word_embeddings.weight", dim=0))
         if k == "lm_head":
-            return self._same(_shard(self.dense_grid(last), 0, self.vblock),
+            return self._same(self._shard(self.dense_grid(last), 0, self.vblock),
                               Slot("output_layer.weight", dim=0))
         if k == "final_norm":
-            return self._same(_rep(self.dense_grid(last)), Slot("decoder.final_layernorm.weight"))
+            return self._same(self._rep(self.dense_grid(last)), Slot("decoder.final_layernorm.weight"))
 
         s = self.stage_of[pc.layer]
         P = self._prefix(pc.layer)
@@ -161,10 +200,10 @@ class MegatronSide(Side):
         A = P + "self_attention."
         if k == "in_norm":
             name = "input_layernorm.weight" if d.mla else "self_attention.linear_qkv.layer_norm_weight"
-            return self._same(_rep(grid), Slot(P + name))
+            return self._same(self._rep(grid), Slot(P + name))
         if k == "post_norm":
             name = "pre_mlp_layernorm.weight" if d.is_moe(pc.layer) else "mlp.linear_fc1.layer_norm_weight"
-            return self._same(_rep(grid), Slot(P + name))
+            return self._same(self._rep(grid), Slot(P + name))
         if k in ("q", "k", "v"):
             hd, qpg = d.head_dim, d.heads_per_group
             per_group = (qpg + 2) * hd
@@ -173,45 +212,45 @@ class MegatronSide(Side):
             if pc.group is None:
                 if self.groups_local != 1:
                     raise AssertionError("whole q/k/v piece with several groups per rank")
-                return self._same(_shard(grid, 0), Slot(store, dim=0, offset=within))
+                return self._same(self._shard(grid, 0), Slot(store, dim=0, offset=within))
             t, j = divmod(pc.group, self.groups_local)
-            return self._same(_rep(grid[:, t]), Slot(store, dim=0, offset=j * per_group + within))
+            return self._same(self._rep(grid[:, t]), Slot(store, dim=0, offset=j * per_group + within))
         if k in ("q_norm", "k_norm"):
-            return self._same(_rep(grid), Slot(A + ("q_layernorm" if k == "q_norm" else "k_layernorm") + ".weight"))
+            return self._same(self._rep(grid), Slot(A + ("q_layernorm" if k == "q_norm" else "k_layernorm") + ".weight"))
         if k == "o":
             if pc.bias:
-                return self._same(_rep(grid), Slot(A + "linear_proj.bias"))
-            return self._same(_shard(grid, 1), Slot(A + "linear_proj.weight"))
+                return self._same(self._rep(grid), Slot(A + "linear_proj.bias"))
+            return self._same(self._shard(grid, 1), Slot(A + "linear_proj.weight"))
         if k in ("gate", "up", "sh_gate", "sh_up"):
             shared = k.startswith("sh_")
             size = d.shared_intermediate if shared else d.intermediate
             store = P + ("mlp.shared_experts.linear_fc1.weight" if shared else "mlp.linear_fc1.weight")
             off = 0 if k.endswith("gate") else size // par.tp
-            return self._same(_shard(grid, 0), Slot(store, dim=0, offset=off))
+            return self._same(self._shard(grid, 0), Slot(store, dim=0, offset=off))
         if k in ("down", "sh_down"):
             store = P + ("mlp.shared_experts.linear_fc2.weight" if k == "sh_down" else "mlp.linear_fc2.weight")
-            return self._same(_shard(grid, 1), Slot(store))
+            return self._same(self._shard(grid, 1), Slot(store))
         if k == "router":
-            return self._same(_rep(grid), Slot(P + "mlp.router.weight"))
+            return self._same(self._rep(grid), Slot(P + "mlp.router.weight"))
         if k == "router_bias":
-            return self._same(_rep(grid), Slot(P + "mlp.router.expert_bias"))
+            return self._same(self._rep(grid), Slot(P + "mlp.router.expert_bias"))
         if k in ("e_gate", "e_up", "e_down"):
             return self._place_expert(pc, s, P)
         # MLA
         if k == "q_a":
-            return self._same(_rep(grid), Slot(A + "linear_q_down_proj.weight"))
+            return self._same(self._rep(grid), Slot(A + "linear_q_down_proj.weight"))
         if k == "q_a_norm":
-            return self._same(_rep(grid), Slot(A + "linear_q_up_proj.layer_norm_weight"))
+            return self._same(self._rep(grid), Slot(A + "linear_q_up_proj.layer_norm_weight"))
         if k == "q_b":
-            return self._same(_shard(grid, 0), Slot(A + "linear_q_up_proj.weight"))
+            return self._same(self._shard(grid, 0), Slot(A + "linear_q_up_proj.weight"))
         if k == "q_full":
-            return self._same(_shard(grid, 0), Slot(A + "linear_q_proj.weight"))
+            return self._same(self._shard(grid, 0), Slot(A + "linear_q_proj.weight"))
         if k == "kv_a":
-            return self._same(_rep(grid), Slot(A + "linear_kv_down_proj.weight"))
+            return self._same(self._rep(grid), Slot(A + "linear_kv_down_proj.weight"))
         if k == "kv_a_norm":
-            return self._same(_rep(grid), Slot(A + "linear_kv_up_proj.layer_norm_weight"))
+            return self._same(self._rep(grid), Slot(A + "linear_kv_up_proj.layer_norm_weight"))
         if k == "kv_b":
-            return self._same(_shard(grid, 0), Slot(A + "linear_kv_up_proj.weight"))
+            return self._same(self._shard(grid, 0), Slot(A + "linear_kv_up_proj.weight"))
         raise ValueError(f"Megatron: no placement for piece kind {k!r} ({pc.name})")
 
     def _expert_store(self, P: str, fc: str, i: int) -> tuple[str, tuple[int, ...]]:
@@ -232,12 +271,12 @@ class MegatronSide(Side):
             if par.experts != "stacked":
                 raise AssertionError("stacked expert piece on a per-expert storage")
             tdim = 2 if k == "e_down" else 1
-            lay = _layout(grid, (Replicate(), Shard(0), Shard(tdim)))
+            lay = self._layout(grid, (Replicate(), Shard(0), Shard(tdim)))
             slot = Slot(f"{P}mlp.experts.{fc}.weight") if k == "e_down" else \
                 Slot(f"{P}mlp.experts.{fc}.weight", dim=1, offset=off)
             return self._same(lay, slot)
         p, i = divmod(pc.expert, self.experts_local)
-        lay = _layout(grid[:, p, :], (Replicate(), Shard(1 if k == "e_down" else 0)))
+        lay = self._layout(grid[:, p, :], (Replicate(), Shard(1 if k == "e_down" else 0)))
         store, index = self._expert_store(P, fc, i)
         slot = Slot(store, index) if k == "e_down" else Slot(store, index, dim=0, offset=off)
         return self._same(lay, slot)
@@ -354,9 +393,12 @@ class VLLMSide(Side):
 
     def grid(self, p: int) -> np.ndarray:
         """Ranks of pipeline stage p: [dp, tp]."""
-        par = self.par
-        base = np.arange(par.dp)[:, None] * (par.pp * par.tp) + p * par.tp
-        return base + np.arange(par.tp)[None, :]
+        g = self._grids.get(p)
+        if g is None:
+            par = self.par
+            base = np.arange(par.dp)[:, None] * (par.pp * par.tp) + p * par.tp
+            g = self._grids[p] = base + np.arange(par.tp)[None, :]
+        return g
 
     def _place(self, pc: Piece):
         d, par, k = self.d, self.par, pc.kind
@@ -366,59 +408,59 @@ class VLLMSide(Side):
             grid = self.grid(0)
             if d.tie and par.pp > 1:
                 grid = np.concatenate([grid, self.grid(last)])
-            return self._same(_shard(grid, 0, self.vblock), Slot("model.embed_tokens.weight", dim=0))
+            return self._same(self._shard(grid, 0, self.vblock), Slot("model.embed_tokens.weight", dim=0))
         if k == "lm_head":
-            return self._same(_shard(self.grid(last), 0, self.vblock), Slot("lm_head.weight", dim=0))
+            return self._same(self._shard(self.grid(last), 0, self.vblock), Slot("lm_head.weight", dim=0))
         if k == "final_norm":
-            return self._same(_rep(self.grid(last)), Slot("model.norm.weight"))
+            return self._same(self._rep(self.grid(last)), Slot("model.norm.weight"))
         grid = self.grid(self.stage_of[pc.layer])
         P = f"model.layers.{pc.layer}."
         A = P + "self_attn."
         if k == "in_norm":
-            return self._same(_rep(grid), Slot(P + "input_layernorm.weight"))
+            return self._same(self._rep(grid), Slot(P + "input_layernorm.weight"))
         if k == "post_norm":
-            return self._same(_rep(grid), Slot(P + "post_attention_layernorm.weight"))
+            return self._same(self._rep(grid), Slot(P + "post_attention_layernorm.weight"))
         if k in ("q", "k", "v"):
             return self._place_qkv(pc, grid, A)
         if k in ("q_norm", "k_norm"):
-            return self._same(_rep(grid), Slot(A + k + ".weight"))
+            return self._same(self._rep(grid), Slot(A + k + ".weight"))
         if k == "o":
             if pc.bias:
-                return self._same(_rep(grid), Slot(A + "o_proj.bias"))
-            return self._same(_shard(grid, 1), Slot(A + "o_proj.weight"))
+                return self._same(self._rep(grid), Slot(A + "o_proj.bias"))
+            return self._same(self._shard(grid, 1), Slot(A + "o_proj.weight"))
         if k in ("gate", "up", "sh_gate", "sh_up"):
             shared = k.startswith("sh_")
             size = d.shared_intermediate if shared else d.intermediate
             store = P + ("mlp.shared_experts.gate_up_proj.weight" if shared else "mlp.gate_up_proj.weight")
             off = 0 if k.endswith("gate") else size // tp
-            return self._same(_shard(grid, 0), Slot(store, dim=0, offset=off))
+            return self._same(self._shard(grid, 0), Slot(store, dim=0, offset=off))
         if k in ("down", "sh_down"):
             store = P + ("mlp.shared_experts.down_proj.weight" if k == "sh_down" else "mlp.down_proj.weight")
-            return self._same(_shard(grid, 1), Slot(store))
+            return self._same(self._shard(grid, 1), Slot(store))
         if k == "router":
-            return self._same(_rep(grid), Slot(P + "mlp.gate.weight"))
+            return self._same(self._rep(grid), Slot(P + "mlp.gate.weight"))
         if k == "router_bias":
-            return self._same(_rep(grid), Slot(P + "mlp.gate.e_score_correction_bias"))
+            return self._same(self._rep(grid), Slot(P + "mlp.gate.e_score_correction_bias"))
         if k in ("e_gate", "e_up", "e_down"):
             return self._place_expert(pc, grid, P)
         # MLA
         if k == "q_a":
-            return self._same(_rep(grid), Slot(A + "fused_qkv_a_proj.weight", dim=0, offset=0))
+            return self._same(self._rep(grid), Slot(A + "fused_qkv_a_proj.weight", dim=0, offset=0))
         if k == "kv_a":
             if d.q_lora_rank is not None:
-                return self._same(_rep(grid), Slot(A + "fused_qkv_a_proj.weight", dim=0,
+                return self._same(self._rep(grid), Slot(A + "fused_qkv_a_proj.weight", dim=0,
                                                    offset=d.q_lora_rank))
-            return self._same(_rep(grid), Slot(A + "kv_a_proj_with_mqa.weight"))
+            return self._same(self._rep(grid), Slot(A + "kv_a_proj_with_mqa.weight"))
         if k == "q_a_norm":
-            return self._same(_rep(grid), Slot(A + "q_a_layernorm.weight"))
+            return self._same(self._rep(grid), Slot(A + "q_a_layernorm.weight"))
         if k == "q_b":
-            return self._same(_shard(grid, 0), Slot(A + "q_b_proj.weight"))
+            return self._same(self._shard(grid, 0), Slot(A + "q_b_proj.weight"))
         if k == "q_full":
-            return self._same(_shard(grid, 0), Slot(A + "q_proj.weight"))
+            return self._same(self._shard(grid, 0), Slot(A + "q_proj.weight"))
         if k == "kv_a_norm":
-            return self._same(_rep(grid), Slot(A + "kv_a_layernorm.weight"))
+            return self._same(self._rep(grid), Slot(A + "kv_a_layernorm.weight"))
         if k == "kv_b":
-            return self._same(_shard(grid, 0), Slot(A + "kv_b_proj.weight"))
+            return self._same(self._shard(grid, 0), Slot(A + "kv_b_proj.weight"))
         raise ValueError(f"vLLM: no placement for piece kind {k!r} ({pc.name})")
 
     def _place_qkv(self, pc: Piece, grid: np.ndarray, A: str):
@@ -429,19 +471,19 @@ class VLLMSide(Side):
         base = {"q": 0, "k": q_local, "v": q_local + kv_local}[k]
         if pc.group is None:
             if k == "q" or tp <= nkv:
-                return self._same(_shard(grid, 0), Slot(store, dim=0, offset=base))
+                return self._same(self._shard(grid, 0), Slot(store, dim=0, offset=base))
             r = tp // nkv              # ranks sharing one kv head
-            lay = _layout(grid.reshape(grid.shape[0], nkv, r), (Replicate(), Shard(0), Replicate()))
+            lay = self._layout(grid.reshape(grid.shape[0], nkv, r), (Replicate(), Shard(0), Replicate()))
             return self._same(lay, Slot(store, dim=0, offset=base))
         g = pc.group
         if tp <= nkv:
             gv = nkv // tp             # groups per rank
             t, j = divmod(g, gv)
             step = qpg * hd if k == "q" else hd
-            return self._same(_rep(grid[:, t]), Slot(store, dim=0, offset=base + j * step))
+            return self._same(self._rep(grid[:, t]), Slot(store, dim=0, offset=base + j * step))
         r = tp // nkv
         sub = grid[:, g * r:(g + 1) * r]
-        lay = _shard(sub, 0) if k == "q" else _rep(sub)
+        lay = self._shard(sub, 0) if k == "q" else self._rep(sub)
         return self._same(lay, Slot(store, dim=0, offset=base))
 
     def _place_expert(self, pc: Piece, grid: np.ndarray, P: str):
@@ -452,14 +494,14 @@ class VLLMSide(Side):
         if pc.expert is None:
             tdim = 0 if ep else (2 if k == "e_down" else 1)
             slot = Slot(w) if k == "e_down" else Slot(w, dim=1, offset=off)
-            return self._same(_shard(grid, tdim), slot)
+            return self._same(self._shard(grid, tdim), slot)
         if ep:
             t, i = divmod(pc.expert, self.experts_local)
             slot = Slot(w, (i,)) if k == "e_down" else Slot(w, (i,), dim=0, offset=off)
-            return self._same(_rep(grid[:, t]), slot)
+            return self._same(self._rep(grid[:, t]), slot)
         e = pc.expert
         slot = Slot(w, (e,)) if k == "e_down" else Slot(w, (e,), dim=0, offset=off)
-        return self._same(_shard(grid, 1 if k == "e_down" else 0), slot)
+        return self._same(self._shard(grid, 1 if k == "e_down" else 0), slot)
 
     def storages(self, rank: int) -> dict[str, StorageDecl]:
         d, par = self.d, self.par
