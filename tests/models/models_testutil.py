@@ -100,6 +100,11 @@ def run_refit(cfg, model, train, infer, dtype=torch.float32, train_dtype=None,
     if state_dict is None:
         check_coverage(cfg, model, specs)
     src_dt = train_dtype or dtype
+    for r in range(train.world):
+        # every logical element placed once; only vocabulary rows are padding
+        for n, pad in padding_mask(cfg, train, r, hf_experts=hf_experts).items():
+            if pad.any():
+                assert n in ("embedding.word_embeddings.weight", "output_layer.weight"), n
     src = [local_state(cfg, train, "src", r, sd, dtype=src_dt, hf_experts=hf_experts)
            for r in range(train.world)]
     dst = [empty_storage(cfg, infer, r, dtype=dtype, fill=SENTINEL) for r in range(infer.world)]

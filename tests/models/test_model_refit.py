@@ -106,3 +106,24 @@ def test_bad_layouts_are_refused():
         VLLM(tp=4, ep=2)
     with pytest.raises(ValueError):
         Megatron(tp=2, dp=1, ep=4)                             # 2 ranks per stage < ep
+
+
+def test_config_forms(tmp_path):
+    """A dict, a config.json path, its directory and a PretrainedConfig give the same specs."""
+    import json
+    cfg, _ = make_model("qwen3_moe")
+    d = cfg.to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    train, infer = Megatron(tp=2, ep=2, etp=1), VLLM(tp=2)
+    ref = refit_specs(cfg, train, infer)
+    for form in (d, str(tmp_path / "config.json"), tmp_path):
+        assert refit_specs(form, train, infer) == ref
+
+
+def test_bench_llama70b_real_size():
+    """Real-size recipe: all bytes through reshard, at the lower bound."""
+    from ray_reshard.bench.model_bytes import LLAMA3_70B, measure
+    m = measure(LLAMA3_70B, Megatron(tp=8, pp=4), VLLM(tp=8, dp=4))
+    assert m["share"] == 1.0
+    assert m["network"] == m["bound"]
+    assert m["gb"] > 5 * m["network"]
