@@ -1,0 +1,188 @@
+"""A ring whose slots live in GPU memory, shared between two processes through CUDA IPC.
+
+Same interface and protocol as :class:`~ray_reshard.runtime.transport.shm.ShmRing`: the header
+(sequence counters, slot lengths, abort flag) is an ordinary shared-memory segment, created by
+anyone (typically the node helper, which needs no GPU). The slot data is one GPU buffer of
+``slots x slot_bytes`` owned by the **receiver**: on its first :meth:`CudaIpcRing.recv_slot` (or an
+explicit :meth:`CudaIpcRing.prepare_recv`) it allocates the buffer on its current device and
+publishes the CUDA IPC handle in the header's metadata area. The sender opens the handle on its first
+:meth:`CudaIpcRing.send_slot` (waiting for it, under the same deadline), then packs straight into the
+receiver's memory (over NVLink when the two GPUs differ).
+
+GPU ordering: ``commit_send`` synchronises the sender's current streams (of its own device and of
+the buffer's device) before publishing, so the bytes are complete when the receiver sees the slot;
+``release_recv`` synchronises the receiver's current stream before freeing the slot, so the sender
+cannot overwrite bytes still being read. Pass ``stream=`` to either to synchronise a specific stream.
+
+Requirements: both processes must see the buffer's GPU (CUDA IPC cannot open memory of a device the
+process does not enumerate; with Ray's per-actor CUDA_VISIBLE_DEVICES, rings between actors on
+*different* GPUs need every GPU visible, e.g. RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1); the
+receiver must outlive the sender's use of the ring. The metadata is JSON (no pickle).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import torch
+
+from ...errors import TransportError
+from .shm import _OFF_META_LEN, _Segment, _round_up
+
+__all__ = ["CudaIpcRing"]
+
+_ALIGN = 512                    # slot alignment in the GPU buffer (any dtype, vector loads)
+
+
+def _device_uuid(index: int) -> Optional[str]:
+    try:
+        u = str(torch.cuda.get_device_properties(index).uuid)
+    except Exception:
+        return None
+    return u if u.startswith(("GPU-", "MIG-")) else f"GPU-{u}"
+
+
+def _local_index(uuid: Optional[str], fallback: int) -> int:
+    """This process's index of the GPU with `uuid` (CUDA_VISIBLE_DEVICES renumbers GPUs)."""
+    if uuid is None:
+        return fallback
+    for i in range(torch.cuda.device_count()):
+        if _device_uuid(i) == uuid:
+            return i
+    raise TransportError(f"GPU {uuid} holding the ring's buffer is not visible to this process "
+                         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
+                         f"CUDA IPC needs it visible")
+
+
+def _hex(b) -> Optional[str]:
+    return None if b is None else bytes(b).hex()
+
+
+def _unhex(s) -> Optional[bytes]:
+    return None if s is None else bytes.fromhex(s)
+
+
+class CudaIpcRing(_Segment):
+    """SPSC ring with GPU slots (receiver-owned buffer shared by CUDA IPC)."""
+
+    def __init__(self, name, mm, owner_created: bool):
+        super().__init__(name, mm, owner_created)
+        self._gstride = _round_up(max(self.slot_bytes, 1), _ALIGN)
+        self._buf: Optional[torch.Tensor] = None
+        self._owner = False
+
+    @classmethod
+    def create(cls, slot_bytes: int, slots: int = 2, name: Optional[str] = None) -> "CudaIpcRing":
+        """Create the header segment (no GPU needed); the receiver allocates the GPU buffer."""
+        name, mm = cls._create_mapping(slot_bytes, slots, name, data=False)
+        try:
+            return cls(name, mm, owner_created=True)
+        except BaseException:
+            cls.unlink(name)
+            raise
+
+    @classmethod
+    def attach(cls, name: str) -> "CudaIpcRing":
+        return cls(name, cls._attach_mapping(name), owner_created=False)
+
+    # -- the GPU buffer
+    @property
+    def device(self) -> Optional[torch.device]:
+        return None if self._buf is None else self._buf.device
+
+    def prepare_recv(self, device=None) -> None:
+        """Allocate the slot buffer on `device` (default: current CUDA device) and publish its IPC
+        handle. The receiver calls it (recv_slot does on first use); idempotent."""
+        self._check_open()
+        if self._buf is not None:
+            return
+        if self._load(_OFF_META_LEN) > 0:
+            raise TransportError(f"ring {self.name!r} already has a GPU buffer owned by another "
+                                 f"process (only the receiver allocates)")
+        dev = torch.device("cuda", torch.cuda.current_device()) if device is None \
+            else torch.device(device)
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        buf = torch.zeros(self.slots * self._gstride, dtype=torch.uint8, device=dev)
+        storage = buf.untyped_storage()
+        (s_dev, handle, size_bytes, offset_bytes, ref_handle, ref_offset, ev_handle,
+         ev_sync) = storage._share_cuda_()
+        meta = {
+            "v": 1, "pid": os.getpid(), "uuid": _device_uuid(dev.index), "device": int(s_dev),
+            "handle": _hex(handle), "size": int(size_bytes), "offset": int(offset_bytes),
+            "ref_handle": _hex(ref_handle), "ref_offset": int(ref_offset),
+            "event": _hex(ev_handle), "event_sync": bool(ev_sync),
+            "nbytes": int(buf.numel()),
+        }
+        torch.cuda.synchronize(dev)          # zeroed before anyone maps it
+        self._buf, self._owner = buf, True
+        self._set_meta(json.dumps(meta).encode())
+
+    def _open_buffer(self, deadline: Optional[float]) -> None:
+        if self._buf is not None:
+            return
+        self._wait(lambda: self._load(_OFF_META_LEN) > 0, deadline, "the receiver's GPU buffer")
+        meta = json.loads(self.meta.decode())
+        if meta.get("pid") == os.getpid():
+            raise TransportError("sender and receiver of a CudaIpcRing must be different processes")
+        dev = _local_index(meta.get("uuid"), int(meta["device"]))
+        torch.cuda._lazy_init()
+        storage = torch.UntypedStorage._new_shared_cuda(
+            dev, _unhex(meta["handle"]), meta["size"], meta["offset"],
+            _unhex(meta["ref_handle"]), meta["ref_offset"], _unhex(meta["event"]),
+            meta["event_sync"])
+        buf = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", dev))
+        buf.set_(storage, 0, (int(meta["nbytes"]),), (1,))
+        self._buf = buf
+
+    def _view(self, idx: int, nbytes: int) -> torch.Tensor:
+        off = idx * self._gstride
+        return self._buf[off:off + nbytes]
+
+    def _sync(self, stream) -> None:
+        if stream is not None:
+            stream.synchronize()
+            return
+        devs = {self._buf.device.index, torch.cuda.current_device()}
+        for d in devs:
+            torch.cuda.current_stream(d).synchronize()
+
+    # -- ring interface
+    def send_slot(self, nbytes: int, deadline: float) -> torch.Tensor:
+        """Wait for the receiver's buffer and a free slot; a uint8 GPU view of `nbytes` bytes."""
+        self._check_open()
+        if int(nbytes) < 0 or int(nbytes) > self.slot_bytes:
+            raise ValueError(f"{nbytes} bytes do not fit a {self.slot_bytes}-byte slot")
+        self._register("producer")
+        self._open_buffer(deadline)
+        return self._view(self._acquire_send(nbytes, deadline), int(nbytes))
+
+    def commit_send(self, stream: Optional[torch.cuda.Stream] = None) -> None:
+        """Wait for the copies into the slot (current streams, or `stream`), then publish it."""
+        self._check_open()
+        if self._send_idx is None:
+            raise RuntimeError("commit_send without a preceding send_slot")
+        self._sync(stream)
+        self._publish()
+
+    def recv_slot(self, deadline: float) -> torch.Tensor:
+        """Wait for the next published slot; a uint8 GPU view of its bytes (valid until
+        release_recv)."""
+        self._check_open()
+        self._register("consumer")
+        if self._buf is None:
+            self.prepare_recv()
+        idx, n = self._acquire_recv(deadline)
+        return self._view(idx, n)
+
+    def release_recv(self, stream: Optional[torch.cuda.Stream] = None) -> None:
+        """Wait for reads of the slot (current streams, or `stream`), then free it."""
+        self._check_open()
+        if self._recv_idx is None:
+            raise RuntimeError("release_recv without a preceding recv_slot")
+        self._sync(stream)
+        self._release()
+
+    def _drop_views(self) -> None:
+        self._buf = None
