@@ -1,12 +1,39 @@
 """Refit recipes for real models: Megatron-core training layouts to vLLM inference layouts.
 
     from ray_reshard.models import Megatron, VLLM, refit_specs, local_state, empty_storage
-    specs = refit_specs(hf_config, train=Megatron(tp=4, pp=8, ep=16, dp=4),
-                        infer=VLLM(tp=8, dp=16), dtype=torch.bfloat16)
+    specs = refit_specs(hf_config, train=Megatron(tp=4, pp=8, ep=16, etp=1, dp=4),
+                        infer=VLLM(tp=8, dp=16), dtype=torch.bfloat16,
+                        train_dtype=torch.float32)
+    plan = ray_reshard.plan(specs, src_domains, dst_domains)
 
-Logical tensors are the Hugging Face parameters (see `pieces` for the few cases where a
-parameter is cut into named sub-pieces); the rank numbering of both engines is documented in
-`parallel`; each engine's storage naming and fusion in `sides`.
+Families: Llama (and Mistral), Qwen2, Qwen3 (q_norm/k_norm), Qwen3-MoE, DeepSeek-V3 (MLA with
+or without q_lora_rank, dense first layers, routed + shared experts, routing bias). `config` is
+a HF config dict, a path to config.json (or its directory), or a transformers PretrainedConfig.
+
+Logical tensors
+    The Hugging Face parameters: names and shapes of the HF model's state dict, so the specs
+    cover 100% of the model's bytes (a tied lm_head is the embedding, refit once). A parameter
+    is cut into named sub-pieces (``name@tag``) only where some rank keeps its shard in several
+    separate places of its storage: q/k/v per query group when a Megatron rank holds more than
+    one group (``@g3``), and transformers>=5 fused experts (``gate_up_proj@gate``/``@up``, or
+    ``@e5.gate``/``@e5.up``/``down_proj@e5`` when Megatron keeps one tensor per expert). See
+    `pieces`. `hf_experts` chooses the HF expert naming: "fused" (transformers >= 5 modules),
+    "split" (checkpoint files, transformers 4: one 2-d tensor per expert) or "auto".
+
+Engine storages (`sides`)
+    Each engine's own names, fusion and padding, expressed with Slots, so the bytes land
+    directly in the engine's parameters: Megatron linear_qkv [q_g; k_g; v_g] per query group,
+    linear_fc1 = [gate; up], experts per local expert (TE grouped ``weight{i}``, sequential) or
+    stacked, padded vocabulary (make_vocab_size_divisible_by * tp); vLLM qkv_proj = [q; k; v]
+    per TP rank (kv heads replicated when tp > kv heads), gate_up_proj, FusedMoE w13/w2 with
+    tensor or expert parallelism, fused_qkv_a_proj for MLA, vocabulary padded to 64 rows and cut
+    in VocabParallelEmbedding's per-rank blocks (padding rows are never written).
+
+Rank numbering: see `parallel` (Megatron tp-cp-ep-dp-pp, tp fastest; vLLM dp, pp, tp).
+
+Helpers: `local_state` (a rank's storages from a full HF state dict, either side),
+`empty_storage` (destination storages, padded), `assemble_state_dict` (back to HF),
+`padding_mask`, `storage_shapes`, `tied_aliases`, `hf_parameter_shapes`.
 """
 from .config import FAMILIES, ModelDims, model_dims
 from .parallel import VLLM, Megatron

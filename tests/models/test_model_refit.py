@@ -33,6 +33,9 @@ CASES = [
     ("deepseekv3-no-qlora-tp", "deepseek_v3", {"q_lora_rank": None},
      Megatron(tp=2, etp=1, ep=2, dp=1, experts="stacked"), VLLM(tp=2, dp=2),
      torch.float32, None),
+    # the recipes are symmetric: vLLM storages back into Megatron's (e.g. to seed a trainer)
+    ("reverse-vllm-to-megatron", "qwen3_moe", {"tie_word_embeddings": True},
+     VLLM(tp=2, ep=2, dp=2), Megatron(tp=2, ep=2, etp=1, pp=2), torch.float32, None),
 ]
 
 
