@@ -35,7 +35,11 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def helpers(cluster):
-    hs = start_node_helpers(cluster, name_prefix="rr-test-helper")
+    """One helper per node; the head node's helper simulates a separate NVLink domain through
+    RAY_RESHARD_DOMAIN (set with domains=, merged into the helper's runtime_env)."""
+    hs = start_node_helpers(cluster, name_prefix="rr-test-helper",
+                            domains={cluster[0]: "rack-0"},
+                            runtime_env={"env_vars": {"RR_TEST_UNRELATED": "1"}})
     yield hs
     for h in hs.values():
         ray.kill(h)
@@ -52,11 +56,13 @@ def test_one_helper_per_node_lands_on_its_node(cluster, helpers):
     topos = ray.get([helpers[n].topology.remote() for n in cluster], timeout=T)
     for n, t in zip(cluster, topos):
         assert t["node_id"] == n
-        assert t["domain"] == n                 # no NVLink fabric here: the node is the domain
         assert t["hostname"] and t["ip"]
         assert isinstance(t["gpus"], list)
         for g in t["gpus"]:
             assert set(g) == {"index", "uuid", "domain"}
+            assert g["domain"] == t["domain"]
+    # no NVLink fabric here: a node is its own domain unless RAY_RESHARD_DOMAIN says otherwise
+    assert topos[1]["domain"] == cluster[1]
 
 
 def test_named_helpers_are_reused(cluster, helpers):
@@ -65,21 +71,17 @@ def test_named_helpers_are_reused(cluster, helpers):
         assert again[n]._actor_id == helpers[n]._actor_id
 
 
-def test_domain_override(cluster):
-    # a helper whose env sets RAY_RESHARD_DOMAIN (here via domains=, merged into runtime_env)
-    a = cluster[0]
-    hs = start_node_helpers([a], domains={a: "rack-0"},
-                            runtime_env={"env_vars": {"RR_TEST_UNRELATED": "1"}})
-    try:
-        t = ray.get(hs[a].topology.remote(), timeout=T)
-        assert t["domain"] == "rack-0" and t["node_id"] == a
-        assert all(g["domain"] == "rack-0" for g in t["gpus"])
-        env = ray.get(hs[a].__ray_call__.remote(
-            lambda self: (os.environ.get(DOMAIN_ENV), os.environ.get("RR_TEST_UNRELATED"))),
-            timeout=T)
-        assert env == ("rack-0", "1")
-    finally:
-        ray.kill(hs[a])
+def test_domain_override(cluster, helpers):
+    t = ray.get(helpers[cluster[0]].topology.remote(), timeout=T)
+    assert t["domain"] == "rack-0" and t["node_id"] == cluster[0]
+    env = ray.get(helpers[cluster[0]].__ray_call__.remote(
+        lambda self: (os.environ.get(DOMAIN_ENV), os.environ.get("RR_TEST_UNRELATED"))),
+        timeout=T)
+    assert env == ("rack-0", "1")          # domains= merged into the given runtime_env
+    env = ray.get(helpers[cluster[1]].__ray_call__.remote(
+        lambda self: (os.environ.get(DOMAIN_ENV), os.environ.get("RR_TEST_UNRELATED"))),
+        timeout=T)
+    assert env == (None, "1")
 
 
 def test_rings_created_sealed_destroyed_leave_dev_shm_clean(cluster, helpers):
@@ -121,32 +123,6 @@ def test_rings_created_sealed_destroyed_leave_dev_shm_clean(cluster, helpers):
     assert _gone(names3) == []
 
 
-def test_killed_helper_leaves_nothing_and_graceful_exit_unlinks(cluster):
-    # two fresh helpers (started together): one is killed after seal, the other exits gracefully
-    # with unsealed rings (its finalizer unlinks them)
-    hs = start_node_helpers(cluster)
-    killed, graceful = hs[cluster[1]], hs[cluster[0]]
-    names = ray.get(killed.create_rings.remote("g", 4, 1 << 20), timeout=T)
-    unsealed = ray.get(graceful.create_rings.remote("g", 2, 4096), timeout=T)
-    ends = [ShmRing.attach(n) for n in names]
-    ray.get(killed.seal.remote("g"), timeout=T)
-    ray.kill(killed)
-    with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(killed.ping.remote(), timeout=T)
-    assert _gone(names) == []
-    ends[0].send_slot(1, time.monotonic() + 5).fill_(1)   # the memory lives with its mappings
-    ends[0].commit_send()
-    for r in ends:
-        r.close()
-
-    assert _gone(unsealed) == unsealed
-    graceful.__ray_terminate__.remote()
-    deadline = time.monotonic() + 30
-    while _gone(unsealed) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _gone(unsealed) == []
-
-
 def test_discover_actor_info_inside_actor(cluster, helpers):
     # any actor will do: ask the helpers themselves
     infos = ray.get([helpers[n].__ray_call__.remote(lambda self: discover_actor_info())
@@ -168,3 +144,28 @@ def test_helpers_take_no_cpu(cluster, helpers):
 
 def test_node_helper_class_options():
     assert isinstance(NodeHelper, ray.actor.ActorClass)
+
+
+def test_killed_helper_leaves_nothing_and_graceful_exit_unlinks(cluster, helpers):
+    # Runs last (it ends the module's helpers): one is killed after seal, the other exits
+    # gracefully with unsealed rings (its finalizer unlinks them).
+    killed, graceful = helpers[cluster[1]], helpers[cluster[0]]
+    names = ray.get(killed.create_rings.remote("g", 4, 1 << 20), timeout=T)
+    unsealed = ray.get(graceful.create_rings.remote("g", 2, 4096), timeout=T)
+    ends = [ShmRing.attach(n) for n in names]
+    ray.get(killed.seal.remote("g"), timeout=T)
+    ray.kill(killed)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(killed.ping.remote(), timeout=T)
+    assert _gone(names) == []
+    ends[0].send_slot(1, time.monotonic() + 5).fill_(1)   # the memory lives with its mappings
+    ends[0].commit_send()
+    for r in ends:
+        r.close()
+
+    assert _gone(unsealed) == unsealed
+    graceful.__ray_terminate__.remote()
+    deadline = time.monotonic() + 30
+    while _gone(unsealed) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(unsealed) == []
