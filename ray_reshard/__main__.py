@@ -9,8 +9,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="ray_reshard", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="refit a small model between two layouts on a local CPU Ray cluster")
-    d.add_argument("--layers", type=int, default=4)
-    d.add_argument("--hidden", type=int, default=512)
+    d.add_argument("--scale", type=int, default=1, help="multiply the number of layers")
     b = sub.add_parser("bench", help="reshard vs gather-broadcast vs raw bandwidth on local actors")
     b.add_argument("--mb", type=int, default=256, help="megabytes of weights")
     b.add_argument("--repeats", type=int, default=3)
@@ -19,7 +18,7 @@ def main(argv=None) -> int:
     args, rest = ap.parse_known_args(argv)
     if args.cmd == "demo":
         from .demo import run_demo
-        return run_demo(layers=args.layers, hidden=args.hidden)
+        return run_demo(scale=args.scale)
     if args.cmd == "bench":
         from .bench.refit_bench import main as bench_main
         return bench_main(mb=args.mb, repeats=args.repeats)
