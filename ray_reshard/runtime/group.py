@@ -67,8 +67,9 @@ class ReshardGroup:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
-        if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+        if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        _check_timeout(timeout_s)
         self.strategy, self.bucket_bytes, self.timeout_s = strategy, bucket_bytes, timeout_s
         self.setup_timeout_s = setup_timeout_s
         self._tensors_fn = tensors
@@ -202,7 +203,7 @@ class ReshardGroup:
         self._plans[key] = (tuple(specs.items()), p)
         return p
 
-    def _install(self, key, p: Plan) -> None:
+    def _install(self, key, p: Plan, timeout: Optional[float] = None) -> None:
         if key in self._installed:
             return
         sched = p.schedule(self.bucket_bytes)
@@ -216,15 +217,15 @@ class ReshardGroup:
                 if t.path != NETWORK and self.proc_nodes[s] == self.proc_nodes[d]:
                     pairs.add((s, d))
         if self.strategy == "reshard":
-            self._ensure_rings(pairs)
+            self._ensure_rings(pairs, timeout)
         plan_ref = ray.put(p)
         refs = [a.__ray_call__.remote(worker.install, self.group_id, key, plan_ref,
                                       programs[pid], self.strategy)
                 for pid, a in enumerate(self._procs)]
-        ray.get(refs, timeout=self.setup_timeout_s)
+        self._collect(refs, timeout or self.setup_timeout_s, "install")
         self._installed.add(key)
 
-    def _ensure_rings(self, pairs) -> None:
+    def _ensure_rings(self, pairs, timeout: Optional[float] = None) -> None:
         missing = sorted(pairs - set(self._rings))
         if not missing:
             return
@@ -241,9 +242,9 @@ class ReshardGroup:
             out.setdefault(s, {})[d] = self._rings[(s, d)]
             inn.setdefault(d, {})[s] = self._rings[(s, d)]
         pids = sorted(set(out) | set(inn))
-        ray.get([self._procs[p].__ray_call__.remote(worker.attach_rings, self.group_id,
-                                                    out.get(p, {}), inn.get(p, {}), self._gpu)
-                 for p in pids], timeout=self.setup_timeout_s)
+        self._collect([self._procs[p].__ray_call__.remote(worker.attach_rings, self.group_id,
+                                                          out.get(p, {}), inn.get(p, {}), self._gpu)
+                       for p in pids], timeout or self.setup_timeout_s, "attach", pids)
         # Every end is mapped: drop the names so no segment can outlive its processes.
         ray.get([self._helpers[n].seal.remote(self.group_id) for n in by_node],
                 timeout=self.setup_timeout_s)
@@ -264,23 +265,34 @@ class ReshardGroup:
         if self._closed:
             raise RuntimeError("this ReshardGroup is closed")
         if self._broken:
-            raise RefitError(f"this ReshardGroup failed earlier ({self._broken}); build a new one")
+            raise RefitError(f"this ReshardGroup failed earlier ({self._broken}); call update() "
+                             f"(same or replacement actors) or build a new one")
+        if not isinstance(specs, Mapping):
+            raise TypeError(f"specs must be a mapping of name -> TensorSpec, got "
+                            f"{type(specs).__name__}")
+        _check_timeout(timeout_s)
         planned = not any(hash(tuple(specs.items())) == k for k in self._plans)
         p = self.plan(specs)
         key = f"{hash(tuple(specs.items())) & 0xFFFFFFFFFFFF:x}"
-        self._install(key, p)
-        errors = self._call_all(worker.prepare, self.group_id, key)
+        # One deadline for the whole refit: installing programs (first refit of a spec set),
+        # checking local tensors, and running. A dead or stuck rank fails it in time, named.
+        timeout = timeout_s or self.timeout_s or default_timeout_s(p.stats.total_bytes)
+        deadline = time.monotonic() + timeout
+        self._install(key, p, timeout)
+        errors = self._collect([a.__ray_call__.remote(worker.prepare, self.group_id, key)
+                                for a in self._procs], max(deadline - time.monotonic(), 0.0),
+                               "prepare")
         problems = [e for errs in errors for e in errs]
         if problems:
             raise ValueError("refit refused before moving any byte:\n  " + "\n  ".join(problems))
-        timeout = timeout_s or self.timeout_s or default_timeout_s(p.stats.total_bytes)
         version = self._version + 1
         t0 = time.perf_counter()
-        refs = [a.__ray_call__.remote(worker.run, self.group_id, key, timeout, version, atomic,
+        left = max(deadline - time.monotonic(), 0.001)
+        refs = [a.__ray_call__.remote(worker.run, self.group_id, key, left, version, atomic,
                                       snapshot)
                 for a in self._procs]
         try:
-            per = self._collect(refs, timeout)
+            per = self._collect(refs, left)
         except RefitError:
             for a in self._procs:
                 a.__ray_call__.remote(worker.discard, self.group_id)
@@ -300,9 +312,16 @@ class ReshardGroup:
                            max(st["peak_staging_bytes"] for st in per),
                            max(st["extra_bytes"] for st in per), p.stats, planned, per)
 
-    def _collect(self, refs, timeout: float) -> list:
+    def _collect(self, refs, timeout: float, phase: str = "run", pids=None) -> list:
+        """Results of one call per process (`pids[i]` made `refs[i]`; default: all, in order).
+
+        Waits `timeout` plus a grace period; a process that died, raised or did not answer in
+        time fails the refit: RefitError naming its ranks, and the group is marked broken.
+        """
+        pids = list(range(len(refs))) if pids is None else list(pids)
         grace = 5.0
         ready, not_ready = ray.wait(refs, num_returns=len(refs), timeout=timeout + grace)
+        not_ready = set(not_ready)
         results, failed, messages = {}, [], []
         for i, r in enumerate(refs):
             if r in not_ready:
@@ -310,20 +329,22 @@ class ReshardGroup:
             try:
                 results[i] = ray.get(r)
             except RayActorError as e:
-                failed.append(i)
-                messages.append(f"process {i} died ({type(e).__name__})")
+                failed.append(pids[i])
+                messages.append(f"process {pids[i]} died ({type(e).__name__})")
             except RayTaskError as e:
-                failed.append(i)
+                failed.append(pids[i])
                 cause = e.cause if getattr(e, "cause", None) is not None else e
-                messages.append(f"process {i}: {type(cause).__name__}: {str(cause).splitlines()[0]}")
+                messages.append(f"process {pids[i]}: {type(cause).__name__}: "
+                                f"{(str(cause).splitlines() or [''])[0]}")
         if not not_ready and not failed:
             return [results[i] for i in range(len(refs))]
-        hung = [i for i, r in enumerate(refs) if r in not_ready]
-        for i in hung:
-            messages.append(f"process {i} did not finish within {timeout:.0f} s")
+        hung = [pids[i] for i, r in enumerate(refs) if r in not_ready]
+        for p in hung:
+            messages.append(f"process {p} did not finish within {timeout:.1f} s ({phase})")
         ranks = self._ranks_of(failed + hung)
         self._broken = "; ".join(messages)
-        raise RefitError(f"refit failed on {', '.join(f'{s} rank {r}' for s, r in ranks)}: "
+        raise RefitError(f"refit failed in {phase} on "
+                         f"{', '.join(f'{s} rank {r}' for s, r in ranks)}: "
                          + "; ".join(messages), ranks)
 
     def _ranks_of(self, pids):
@@ -426,6 +447,15 @@ def _node_helpers(nodes, timeout: float) -> dict:
             _HELPERS[(session, n)] = h
             have[n] = h
     return {n: have[n] for n in nodes}
+
+
+def _check_timeout(timeout_s) -> None:
+    if timeout_s is None:
+        return
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or \
+            not 0 < timeout_s < float("inf"):
+        raise ValueError(f"timeout_s must be a positive number of seconds (or None for the "
+                         f"default), got {timeout_s!r}")
 
 
 def default_timeout_s(total_bytes: int) -> float:
