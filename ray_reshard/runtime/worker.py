@@ -163,7 +163,10 @@ def prepare(actor, group_id: str, key: str) -> list[str]:
     try:
         return _views(actor, wg, wg.programs[key])[1]
     except Exception as e:        # a broken tensors() callable is bad input too
-        return [f"process {wg.pid}: looking up local tensors failed: {type(e).__name__}: {e}"]
+        ranks = ", ".join(f"{ep.side} rank {ep.rank}"
+                          for ep in sorted(wg.endpoints, key=lambda ep: (ep.side != "src", ep.rank)))
+        return [f"process {wg.pid} ({ranks}): looking up local tensors failed: "
+                f"{type(e).__name__}: {e}"]
 
 
 class _Pool:
