@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import weakref
 from typing import Any, Dict, List, Mapping, Optional
 
 import ray
 
-from .transport.shm import ShmRing, segment_exists
+from .transport.shm import SHM_DIR, ShmRing, segment_exists
 
 __all__ = ["NodeHelper", "start_node_helpers", "discover_actor_info", "DOMAIN_ENV",
            "gpu_inventory"]
@@ -167,6 +169,70 @@ def _uuid_by_ray_gpu_id(gpu_id) -> Optional[str]:
 
 # ---- the helper actor ---------------------------------------------------------------------------
 
+# A tiny watchdog process (plain interpreter in isolated mode, detached: it double-forks into its
+# own session, so neither signals to the helper's process group nor Ray's killing of a dead
+# worker's child processes reach it). The helper tells it which names it holds ("+name" / "-name"
+# lines on its stdin); when the helper goes away for any reason, SIGKILL included, the pipe reaches
+# EOF and the watchdog unlinks whatever the helper still held, then exits.
+_REAPER = r"""
+import os, re, sys
+if os.fork() > 0:
+    os._exit(0)
+os.setsid()
+sys.stdout.write(f"{os.getpid()}\n")
+sys.stdout.flush()
+sys.stdout.close()
+os.close(1)
+ok = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,200}")
+d, held = sys.argv[1], set()
+for line in sys.stdin:
+    line = line.strip()
+    if ok.fullmatch(line[1:]):
+        (held.add if line[:1] == "+" else held.discard)(line[1:])
+for n in held:
+    try:
+        os.unlink(os.path.join(d, n))
+    except OSError:
+        pass
+"""
+
+
+class _Reaper:
+    def __init__(self):
+        self._stdin = None
+        self.pid = None
+        try:
+            p = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _REAPER, SHM_DIR], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True, text=True)
+            self.pid = int(p.stdout.readline())
+            p.stdout.close()
+            p.wait(timeout=30)           # the intermediate process exits at once
+            self._stdin = p.stdin
+        except Exception:
+            self._stdin = None
+
+    def tell(self, sign: str, names) -> None:
+        if self._stdin is None or not names:
+            return
+        try:
+            self._stdin.write("".join(f"{sign}{n}\n" for n in names))
+            self._stdin.flush()
+        except Exception:
+            pass
+
+    def alive(self) -> bool:
+        if self._stdin is None or self.pid is None:
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:
+            pass
+        return True
+
+
 def _unlink_all(names) -> None:
     for n in list(names):
         try:
@@ -184,7 +250,9 @@ class NodeHelper:
         self._groups: Dict[str, List[str]] = {}
         self._linked: set = set()            # names this helper created and has not unlinked
         self._topology: Optional[dict] = None
-        # best effort on a graceful exit (also runs at interpreter exit); a SIGKILL runs nothing
+        # Cleanup of names not yet sealed: the finalizer on a graceful exit (it also runs at
+        # interpreter exit), the reaper process whatever the cause (SIGKILL, ray.kill, node OOM).
+        self._reaper = _Reaper()
         self._finalizer = weakref.finalize(self, _unlink_all, self._linked)
 
     def ping(self) -> str:
@@ -205,10 +273,10 @@ class NodeHelper:
                 ring = ShmRing.create(int(slot_bytes), int(slots))
                 self._linked.add(ring.name)
                 names.append(ring.name)
+                self._reaper.tell("+", [ring.name])
                 ring.close()
         except BaseException:
-            _unlink_all(names)
-            self._linked.difference_update(names)
+            self._forget(names)
             raise
         self._groups.setdefault(group_id, []).extend(names)
         return names
@@ -216,15 +284,17 @@ class NodeHelper:
     def seal(self, group_id: str) -> None:
         """Unlink the group's names. Call once every rank has attached: their mappings stay valid
         (and are the only thing keeping the memory), later attaches fail."""
-        names = self._groups.get(group_id, [])
-        _unlink_all(names)
-        self._linked.difference_update(names)
+        self._forget(self._groups.get(group_id, []))
 
     def destroy_group(self, group_id: str) -> None:
         """Unlink whatever is left of the group and forget it (idempotent)."""
-        names = self._groups.pop(group_id, [])
+        self._forget(self._groups.pop(group_id, []))
+
+    def _forget(self, names) -> None:
+        names = [n for n in names if n in self._linked]
         _unlink_all(names)
         self._linked.difference_update(names)
+        self._reaper.tell("-", names)
 
     def segments(self, group_id: Optional[str] = None) -> List[str]:
         """Names this helper still has linked (that still exist), optionally of one group."""
@@ -234,6 +304,9 @@ class NodeHelper:
 
     def groups(self) -> List[str]:
         return sorted(self._groups)
+
+    def reaper_alive(self) -> bool:
+        return self._reaper.alive()
 
     def __del__(self):
         try:

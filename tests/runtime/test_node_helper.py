@@ -147,17 +147,22 @@ def test_node_helper_class_options():
 
 
 def test_killed_helper_leaves_nothing_and_graceful_exit_unlinks(cluster, helpers):
-    # Runs last (it ends the module's helpers): one is killed after seal, the other exits
-    # gracefully with unsealed rings (its finalizer unlinks them).
+    # Runs last (it ends the module's helpers). One helper is killed (SIGKILL: no finalizer runs)
+    # holding a sealed group and an unsealed one: the sealed names are gone already, its reaper
+    # process unlinks the unsealed ones. The other exits gracefully with unsealed rings: its
+    # finalizer unlinks them.
     killed, graceful = helpers[cluster[1]], helpers[cluster[0]]
+    assert ray.get([killed.reaper_alive.remote(), graceful.reaper_alive.remote()], timeout=T) \
+        == [True, True]
     names = ray.get(killed.create_rings.remote("g", 4, 1 << 20), timeout=T)
+    left = ray.get(killed.create_rings.remote("unsealed", 2, 4096), timeout=T)
     unsealed = ray.get(graceful.create_rings.remote("g", 2, 4096), timeout=T)
     ends = [ShmRing.attach(n) for n in names]
     ray.get(killed.seal.remote("g"), timeout=T)
+    assert _gone(names) == [] and _gone(left) == left
     ray.kill(killed)
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(killed.ping.remote(), timeout=T)
-    assert _gone(names) == []
     ends[0].send_slot(1, time.monotonic() + 5).fill_(1)   # the memory lives with its mappings
     ends[0].commit_send()
     for r in ends:
@@ -166,6 +171,8 @@ def test_killed_helper_leaves_nothing_and_graceful_exit_unlinks(cluster, helpers
     assert _gone(unsealed) == unsealed
     graceful.__ray_terminate__.remote()
     deadline = time.monotonic() + 30
-    while _gone(unsealed) and time.monotonic() < deadline:
+    while (_gone(unsealed) or _gone(left)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _gone(unsealed) == []
+    assert _gone(left) == []
+    assert _gone(names) == []
