@@ -153,6 +153,10 @@ def _views(actor, wg: _WorkerGroup, prog: _Program) -> tuple[dict, list[str]]:
             errors.append(f"{where}: local shard has shape {tuple(view.shape)}, expected "
                           f"{box.sizes} (global {spec.shape}, box {box})")
             continue
+        if side == "dst" and any(n > 1 and st == 0 for n, st in zip(view.shape, view.stride())):
+            errors.append(f"{where}: local {slot.storage!r} has overlapping memory (stride 0: an "
+                          f"expanded view), so its shard cannot be written")
+            continue
         views[(side, rank, ti)] = view
     return views, errors
 
@@ -190,6 +194,7 @@ class _Pool:
         self.free.append(buf._base if buf._base is not None else buf)
 
 
+@torch.no_grad()        # destinations may be parameters that require grad (written in place)
 def run(actor, group_id: str, key: str, timeout_s: float, version: int,
         atomic: bool = False, snapshot: bool = False) -> dict:
     """Execute this process's program; returns its statistics.
@@ -238,6 +243,7 @@ def run(actor, group_id: str, key: str, timeout_s: float, version: int,
     return stats
 
 
+@torch.no_grad()
 def commit(actor, group_id: str, version: int) -> int:
     """Second phase: every rank has everything; write staged shards back and take `version`."""
     wg = _GROUPS[group_id]
