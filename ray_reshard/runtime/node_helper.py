@@ -263,14 +263,21 @@ class NodeHelper:
             self._topology = node_topology(self._node_id)
         return dict(self._topology)
 
-    def create_rings(self, group_id: str, count: int, slot_bytes: int, slots: int = 2) -> List[str]:
+    def create_rings(self, group_id: str, count: int, slot_bytes: int, slots: int = 2,
+                     gpu: bool = False) -> List[str]:
         """Create `count` rings of `slots` x `slot_bytes` and return their names.
 
+        gpu=False: ShmRing segments (the slots are in the segment). gpu=True: CudaIpcRing header
+        segments (a few KiB; the receiver allocates the slots on its GPU; no GPU needed here).
         The helper does not keep them mapped: the names (and the memory) stay until seal()."""
+        if gpu:
+            from .transport.cuda_ipc import CudaIpcRing as ring_cls
+        else:
+            ring_cls = ShmRing
         names = []
         try:
             for _ in range(int(count)):
-                ring = ShmRing.create(int(slot_bytes), int(slots))
+                ring = ring_cls.create(int(slot_bytes), int(slots))
                 self._linked.add(ring.name)
                 names.append(ring.name)
                 self._reaper.tell("+", [ring.name])
@@ -322,8 +329,8 @@ def start_node_helpers(node_ids: List[str], name_prefix: Optional[str] = None, *
                        timeout_s: Optional[float] = 120.0) -> Dict[str, Any]:
     """Start one NodeHelper on each node (hard node affinity, 0 CPUs); {node id: handle}.
 
-    name_prefix: name the helpers ``f"{name_prefix}-{node_id}"`` (detached from nothing, just
-        named) and reuse one that already exists under that name.
+    name_prefix: name the helpers ``f"{name_prefix}-{node_id}"`` (named, not detached: they still
+        end with the job) and reuse one that already exists under that name.
     runtime_env: the helpers' runtime env (e.g. ``{"env_vars": {"RAY_RESHARD_DOMAIN": "x"}}``).
     domains: node id -> domain, merged into each helper's env as RAY_RESHARD_DOMAIN (overrides
         NVML discovery; lets a test simulate several NVLink domains).

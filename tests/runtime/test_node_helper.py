@@ -11,6 +11,7 @@ from ray.cluster_utils import Cluster
 from ray_reshard.errors import TransportError
 from ray_reshard.runtime.node_helper import (DOMAIN_ENV, NodeHelper, discover_actor_info,
                                              start_node_helpers)
+from ray_reshard.runtime.transport.cuda_ipc import CudaIpcRing
 from ray_reshard.runtime.transport.shm import SHM_DIR, ShmRing, segment_exists
 
 T = 60
@@ -121,6 +122,18 @@ def test_rings_created_sealed_destroyed_leave_dev_shm_clean(cluster, helpers):
     assert ray.get(h.segments.remote(), timeout=T) == names3
     ray.get(h.destroy_group.remote("g3"), timeout=T)
     assert _gone(names3) == []
+
+    # GPU rings: header-only segments (the receiver allocates the slots on its GPU)
+    gnames = ray.get(h.create_rings.remote("g4", 2, 256 << 20, 2, gpu=True), timeout=T)
+    for n in gnames:
+        assert os.stat(os.path.join(SHM_DIR, n)).st_size < (1 << 20)
+        r = CudaIpcRing.attach(n)
+        assert (r.slot_bytes, r.slots) == (256 << 20, 2)
+        r.close()
+        with pytest.raises(TransportError):
+            ShmRing.attach(n)                   # no CPU slots in there
+    ray.get(h.destroy_group.remote("g4"), timeout=T)
+    assert _gone(gnames) == []
 
 
 def test_discover_actor_info_inside_actor(cluster, helpers):

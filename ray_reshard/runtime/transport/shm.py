@@ -502,8 +502,10 @@ class ShmRing(_Segment):
         super().__init__(name, mm, owner_created)
         data_bytes = int(self._hdr[_OFF_DATA_BYTES // 8])
         header = int(self._hdr[_OFF_HEADER_BYTES // 8])
-        if data_bytes < self._stride * self.slots:
-            raise TransportError(f"segment {name!r} holds no slot data (not a ShmRing)")
+        if self._stride <= 0 or data_bytes < self._stride * self.slots:
+            self.close()
+            raise TransportError(f"segment {name!r} holds no slot data (not a ShmRing: "
+                                 f"a CudaIpcRing header?)")
         # numpy holds a buffer export of the mmap, and torch.from_numpy holds the array: as long
         # as any tensor view exists the mmap cannot be unmapped under it.
         arr = np.frombuffer(mm, dtype=np.uint8, count=data_bytes, offset=header)
