@@ -155,6 +155,12 @@ class Plan:
                 f"(bound {s.min_network_bytes} B), domain {s.domain_bytes} B, "
                 f"local {s.local_bytes} B>")
 
+    def __getstate__(self):
+        # Schedules are caches, often far larger than the plan: rebuild them where needed.
+        state = dict(self.__dict__)
+        state.pop("_schedules", None)
+        return state
+
     def schedule(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> "Schedule":
         """Buckets of at most `bucket_bytes` in one deadlock-free global order (cached)."""
         cache = self.__dict__.setdefault("_schedules", {})
@@ -192,76 +198,83 @@ def build_schedule(plan: Plan, bucket_bytes: int) -> Schedule:
     A forwarded piece (a destination passing a network piece on inside its domain) is packed
     into a bucket that sorts right after the network bucket that delivered it, so the domain
     exchange of bucket k overlaps the network transfer of bucket k+1.
+
+    Linear in the number of moves (plus sorting the transfers).
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     topo = plan.topology
     n_src = topo.n_src
     world = n_src + topo.n_dst
+    isz = [spec.itemsize for spec in plan.specs]
 
     def gid(ep: Endpoint) -> int:
         return ep.rank if ep.side == "src" else n_src + ep.rank
 
-    pair_items: dict[tuple, list[Item]] = defaultdict(list)
-    # (receiver dst rank, tensor) -> forwarded moves of pieces it received over the network
-    forwards: dict[tuple, list[Move]] = defaultdict(list)
-    for ti, (spec, tp) in enumerate(zip(plan.specs, plan.tensor_plans)):
-        max_numel = max(1, bucket_bytes // spec.itemsize)
-        for m in tp.moves:
-            if m.src.side == "dst":
-                forwards[(m.src.rank, ti)].append(m)
-                continue
-            for chunk in m.box.chunks(max_numel):
-                pair_items[(m.src, m.dst, m.path)].append(Item(ti, chunk))
-
+    # (sender, receiver, path) -> [(item, its bytes, the box of the move it was cut from)]
+    pair_items: dict[tuple, list[tuple[Item, int, Box]]] = defaultdict(list)
+    # (forwarder dst rank, tensor, box of the network move) -> [(target dst rank, path)]
+    forwards: dict[tuple, list[tuple[int, str]]] = defaultdict(list)
     transfers: list[Transfer] = []
-    for (src, dst, path), items in pair_items.items():
-        rot = (gid(Endpoint("dst", dst)) - gid(src)) % world
-        for k, bucket in enumerate(_pack(plan, items, bucket_bytes)):
-            key = (k, _PATH_ORDER[path], rot, gid(src), dst, 0, -1)
-            transfers.append(_transfer(plan, key, src, dst, path, bucket))
-            if path != NETWORK:
-                continue
-            fwd: dict[tuple, list[Item]] = defaultdict(list)
-            for it in bucket:
-                for f in _forwards_of(plan, forwards, dst, it):
-                    fwd[(f.dst, f.path)].append(Item(it.tensor, f.box))
-            for (target, fpath), fitems in sorted(fwd.items()):
-                fkey = key[:5] + (1, target)
-                transfers.append(_transfer(plan, fkey, Endpoint("dst", dst), target, fpath,
-                                           tuple(fitems)))
-    return Schedule(transfers, bucket_bytes)
+    with _gc_paused():
+        for ti, tp in enumerate(plan.tensor_plans):
+            size = isz[ti]
+            max_numel = max(1, bucket_bytes // size)
+            for m in tp.moves:
+                box = m.box
+                if m.src.side == "dst":
+                    forwards[(m.src.rank, ti, box)].append((m.dst, m.path))
+                    continue
+                entries = pair_items[(m.src, m.dst, m.path)]
+                n = box.numel
+                if n <= max_numel:
+                    entries.append((Item(ti, box), n * size, box))
+                else:
+                    for chunk in box.chunks(max_numel):
+                        entries.append((Item(ti, chunk), chunk.numel * size, box))
+
+        for (src, dst, path), entries in pair_items.items():
+            rot = (n_src + dst - gid(src)) % world
+            for k, bucket in enumerate(_pack(entries, bucket_bytes)):
+                key = (k, _PATH_ORDER[path], rot, gid(src), dst, 0, -1)
+                transfers.append(_transfer(isz, key, src, dst, path, bucket))
+                if path != NETWORK:
+                    continue
+                fwd: dict[tuple, list] = defaultdict(list)
+                for entry in bucket:
+                    item = entry[0]
+                    for target_path in forwards.get((dst, item.tensor, entry[2]), ()):
+                        fwd[target_path].append(entry)
+                for (target, fpath), fentries in sorted(fwd.items()):
+                    fkey = key[:5] + (1, target)
+                    transfers.append(_transfer(isz, fkey, Endpoint("dst", dst), target, fpath,
+                                               fentries))
+        return Schedule(transfers, bucket_bytes)
 
 
-def _forwards_of(plan: Plan, forwards, receiver: int, item: Item) -> list[Move]:
-    """Forwarded moves covering `item` (a chunk of a network piece into `receiver`)."""
-    return [Move(m.src, m.dst, item.box, m.path)
-            for m in forwards.get((receiver, item.tensor), ()) if m.box.contains(item.box)]
-
-
-def _pack(plan: Plan, items: list[Item], bucket_bytes: int) -> list[tuple[Item, ...]]:
+def _pack(entries: list, bucket_bytes: int) -> list[list]:
+    """Greedy buckets of consecutive entries (item, nbytes, parent) of at most bucket_bytes."""
     buckets, cur, cur_bytes = [], [], 0
-    for it in items:
-        nb = it.box.numel * plan.specs[it.tensor].itemsize
+    for e in entries:
+        nb = e[1]
         if cur and cur_bytes + nb > bucket_bytes:
-            buckets.append(tuple(cur))
+            buckets.append(cur)
             cur, cur_bytes = [], 0
-        cur.append(it)
+        cur.append(e)
         cur_bytes += nb
     if cur:
-        buckets.append(tuple(cur))
+        buckets.append(cur)
     return buckets
 
 
-def _transfer(plan, key, src, dst, path, items) -> Transfer:
+def _transfer(isz, key, src, dst, path, entries) -> Transfer:
     # Items sit back to back in the flat buffer. Largest element size first keeps every item's
     # byte offset a multiple of its element size (sizes are powers of two), as viewing a byte
     # buffer as a wider dtype requires: an fp32 item after a bf16 one could start at byte 2.
-    specs = plan.specs
-    if len({specs[it.tensor].itemsize for it in items}) > 1:
-        items = sorted(items, key=lambda it: -specs[it.tensor].itemsize)
-    nbytes = sum(it.box.numel * specs[it.tensor].itemsize for it in items)
-    return Transfer(key, src, dst, path, tuple(items), nbytes)
+    items = [e[0] for e in entries]
+    if len({isz[it.tensor] for it in items}) > 1:
+        items.sort(key=lambda it: -isz[it.tensor])
+    return Transfer(key, src, dst, path, tuple(items), sum(e[1] for e in entries))
 
 
 def plan(specs: Mapping[str, TensorSpec], src_domains: Optional[Sequence[Any]] = None,

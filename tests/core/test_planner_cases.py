@@ -47,11 +47,11 @@ def run(specs, n_src, n_dst, bucket=1 << 20, seed=0, **topo):
 
 
 def small_layouts(shape):
-    """Every mesh of up to 4 ranks (1-d and 2x2, in order and reversed) with every placement
-    combination for a tensor of `shape`."""
+    """Meshes of 1 to 4 ranks (1-d in and out of order, 2x2 in and out of order) with every
+    placement combination for a tensor of `shape`."""
     options = [Replicate()] + [Shard(d) for d in range(len(shape))]
     grids = [[0], [0, 1], [2, 0, 1], [0, 1, 2, 3], [3, 2, 1, 0], [[0, 1], [2, 3]],
-             [[3, 1], [2, 0]], [[1, 2]]]
+             [[3, 1], [2, 0]]]
     out = []
     for g in grids:
         mesh = Mesh(g)
@@ -311,3 +311,18 @@ def test_schedule_orders_forwards_after_their_network_bucket():
     assert len(pos) == len(sched)
     mine = sched.for_endpoints([Endpoint("dst", 0)])
     assert mine and all(t.dst == 0 or t.src == Endpoint("dst", 0) for t in mine)
+
+
+def test_plan_pickles_without_its_schedule_cache():
+    import pickle
+
+    spec = TensorSpec((64, 16), F32, Layout.sharded([0, 1, 2, 3], 0),
+                      Layout(Mesh([[0, 1], [2, 3]]), [Replicate(), Shard(0)]))
+    p = plan({"w": spec}, src_domains=list("abcd"), dst_domains=["D"] * 4)
+    sched = p.schedule(256)
+    back = pickle.loads(pickle.dumps(p))
+    assert "_schedules" not in back.__dict__
+    assert back.names == p.names and back.stats == p.stats
+    assert back.tensor_plans[0].moves == p.tensor_plans[0].moves
+    assert [t.key for t in back.schedule(256).transfers] == [t.key for t in sched.transfers]
+    assert back.schedule(256).transfers == sched.transfers
