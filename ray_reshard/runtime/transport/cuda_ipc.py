@@ -152,6 +152,7 @@ class CudaIpcRing(_Segment):
     def send_slot(self, nbytes: int, deadline: float) -> torch.Tensor:
         """Wait for the receiver's buffer and a free slot; a uint8 GPU view of `nbytes` bytes."""
         self._check_open()
+        self._check_abort()
         if int(nbytes) < 0 or int(nbytes) > self.slot_bytes:
             raise ValueError(f"{nbytes} bytes do not fit a {self.slot_bytes}-byte slot")
         self._register("producer")
@@ -170,6 +171,7 @@ class CudaIpcRing(_Segment):
         """Wait for the next published slot; a uint8 GPU view of its bytes (valid until
         release_recv)."""
         self._check_open()
+        self._check_abort()
         self._register("consumer")
         if self._buf is None:
             self.prepare_recv()

@@ -194,7 +194,7 @@ class _Segment:
         self.name = name
         self._mm: Optional[mmap.mmap] = mm
         self._closed = False
-        self._hdr = np.frombuffer(mm, dtype=np.int64, count=_OFF_LENGTHS // 8 + 0, offset=0)
+        self._hdr = np.frombuffer(mm, dtype=np.int64, count=_OFF_LENGTHS // 8, offset=0)
         slots = int(self._hdr[_OFF_SLOTS // 8])
         self.slots = slots
         self.slot_bytes = int(self._hdr[_OFF_SLOT_BYTES // 8])
@@ -404,6 +404,7 @@ class _Segment:
     # -- the protocol (indices only; subclasses map indices to buffers)
     def _acquire_send(self, nbytes: int, deadline: float) -> int:
         self._check_open()
+        self._check_abort()
         if self._send_idx is not None:
             raise RuntimeError("send_slot called again before commit_send")
         nbytes = int(nbytes)
@@ -429,6 +430,7 @@ class _Segment:
 
     def _acquire_recv(self, deadline: float):
         self._check_open()
+        self._check_abort()
         if self._recv_idx is not None:
             raise RuntimeError("recv_slot called again before release_recv")
         self._register("consumer")
