@@ -108,7 +108,6 @@ def build_specs(dtype: torch.dtype = torch.bfloat16) -> dict[str, TensorSpec]:
         else:
             _, s, e = where
             src = expert_layout[(s, e // (N_EXPERTS // EP))]
-        # A 1-d tensor has no dim 1: row-parallel only applies to matrices.
         specs[name] = TensorSpec(shape, dtype, src, dst[style])
     return specs
 
