@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..core.pack import copy_direct, pack, shard_view, unpack
-from ..core.plan import Plan, Transfer
+from ..core.plan import Plan, Transfer, parent_key
 from ..core.planner import NETWORK, Endpoint
 from ..errors import TransportError, TransportTimeout
 from .transport import torch_pg
@@ -286,17 +286,23 @@ def _execute(wg: _WorkerGroup, prog: _Program, views: dict, deadline: float) -> 
         if is_recv:
             unpack(plan, t, buf, lookup)
             clock["unpack"] += now() - t1
+            done.add(t.key)
         pool.put(buf)
 
-    def drain_recvs():
-        while any(op[3] for op in pending):
+    done: set = set()                 # keys of network transfers received and unpacked
+
+    def await_parent(t):
+        """A forwarded piece must have arrived: complete in-flight ops up to its network
+        transfer (forwards sort after it, keyed by its key)."""
+        parent = parent_key(t)
+        while parent not in done and pending:
             complete(pending.popleft())
 
     for t in prog.transfers:
         dst_ep = Endpoint("dst", t.dst)
         here_send, here_recv = t.src in wg.endpoints, dst_ep in wg.endpoints
         if here_send and t.src.side == "dst":
-            drain_recvs()             # a forwarded piece must have arrived first
+            await_parent(t)
         if here_send and here_recv:
             copy_direct(plan, t, lookup)
             moved["local"] += t.nbytes

@@ -138,7 +138,7 @@ def test_recv_deadline_when_peer_never_comes(ring_factory):
     with pytest.raises(TransportTimeout):
         ring.recv_slot(t0 + 0.2)
     elapsed = time.monotonic() - t0
-    assert 0.2 <= elapsed < 1.0
+    assert 0.2 <= elapsed < 2.0
 
 
 def test_send_deadline_when_ring_full(ring_factory):
@@ -149,7 +149,7 @@ def test_send_deadline_when_ring_full(ring_factory):
     t0 = time.monotonic()
     with pytest.raises(TransportTimeout):
         ring.send_slot(10, t0 + 0.2)
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 2.0
     # a timed-out send leaves no half-acquired slot behind: after a release it works again
     peer = ShmRing.attach(ring.name)
     peer.recv_slot(time.monotonic() + 1)
