@@ -196,8 +196,8 @@ def build_schedule(plan: Plan, bucket_bytes: int) -> Schedule:
     """Pack moves into buckets per (sender, receiver, path) and order them.
 
     A forwarded piece (a destination passing a network piece on inside its domain) is packed
-    into a bucket that sorts right after the network bucket that delivered it, so the domain
-    exchange of bucket k overlaps the network transfer of bucket k+1.
+    into a bucket that sorts after the network buckets of the next round (`forward_key`), so
+    the domain exchange of round k overlaps the network transfers of round k+1.
 
     Linear in the number of moves (plus sorting the transfers).
     """
@@ -246,7 +246,7 @@ def build_schedule(plan: Plan, bucket_bytes: int) -> Schedule:
                     for target_path in forwards.get((dst, item.tensor, entry[2]), ()):
                         fwd[target_path].append(entry)
                 for (target, fpath), fentries in sorted(fwd.items()):
-                    fkey = key[:5] + (1, target)
+                    fkey = forward_key(key, target)
                     transfers.append(_transfer(isz, fkey, Endpoint("dst", dst), target, fpath,
                                                fentries))
         return Schedule(transfers, bucket_bytes)
@@ -265,6 +265,18 @@ def _pack(entries: list, bucket_bytes: int) -> list[list]:
     if cur:
         buckets.append(cur)
     return buckets
+
+
+def forward_key(parent: tuple, target: int) -> tuple:
+    """Order key of a forwarded bucket: after every network bucket of the next round, so a
+    receiver has the next round's network receives in flight while it forwards this one."""
+    return (parent[0] + 1, len(_PATH_ORDER)) + parent[1:5] + (target,)
+
+
+def parent_key(forward: "Transfer") -> tuple:
+    """Key of the network bucket whose data a forwarded bucket passes on."""
+    k = forward.key
+    return (k[0] - 1,) + k[2:6] + (0, -1)
 
 
 def _transfer(isz, key, src, dst, path, entries) -> Transfer:

@@ -30,6 +30,11 @@ class Step:
         return (self.gather, self.bcast)
 
 
+def _aligned(n: int) -> int:
+    """Byte offsets inside a bucket stay 16-aligned so every dtype can be viewed in place."""
+    return (n + 15) // 16 * 16
+
+
 def _groups(plan: Plan, ti: int, ep_pid: dict) -> tuple[tuple, tuple]:
     spec = plan.specs[ti]
     first_of_box = {}
@@ -48,12 +53,12 @@ def build_steps(plan: Plan, ep_pid: dict, pid: int, bucket_bytes: int) -> list[S
     steps, cur, cur_key, cur_bytes = [], [], None, 0
     for ti, spec in enumerate(plan.specs):
         key = _groups(plan, ti, ep_pid)
-        if cur and (key != cur_key or cur_bytes + spec.nbytes > bucket_bytes):
+        if cur and (key != cur_key or cur_bytes + _aligned(spec.nbytes) > bucket_bytes):
             steps.append(Step(tuple(cur), cur_key[0], cur_key[1], cur_bytes))
             cur, cur_bytes = [], 0
         cur.append(ti)
         cur_key = key
-        cur_bytes += spec.nbytes
+        cur_bytes += _aligned(spec.nbytes)
     if cur:
         steps.append(Step(tuple(cur), cur_key[0], cur_key[1], cur_bytes))
     return steps
@@ -87,7 +92,7 @@ def execute(wg, prog, views: dict, deadline: float) -> dict:
                     if ep.side == "dst" and ("dst", ep.rank, ti) in views:
                         box = spec.dst.box(ep.rank, spec.shape)
                         views[("dst", ep.rank, ti)].copy_(whole[box.slices()])
-                off += spec.nbytes
+                off += _aligned(spec.nbytes)
     if wg.device.type == "cuda":
         torch.cuda.synchronize(wg.device)
     return {"bytes_by_path": {"network": moved, "domain": 0, "local": 0}, "recv_bytes": moved,
@@ -106,7 +111,7 @@ def _all_gather(wg, plan: Plan, step: Step, views: dict, deadline: float) -> tor
                      if q == p and ep.side == "src" and spec.src.box(ep.rank, spec.shape) is not None
                      and not spec.src.box(ep.rank, spec.shape).empty)
             boxes.append((r, spec.src.box(r, spec.shape)))
-        chunks.append((max(b.numel for _, b in boxes) * spec.itemsize, boxes))
+        chunks.append((_aligned(max(b.numel for _, b in boxes) * spec.itemsize), boxes))
     width = sum(c[0] for c in chunks)
     mine = torch.zeros(width, dtype=torch.uint8, device=wg.device)
     off = 0
@@ -130,7 +135,7 @@ def _all_gather(wg, plan: Plan, step: Step, views: dict, deadline: float) -> tor
         for m, (r, box) in enumerate(boxes):
             n = box.numel * spec.itemsize
             whole[box.slices()].copy_(outs[m][goff:goff + n].view(spec.dtype).view(box.sizes))
-        off += spec.nbytes
+        off += _aligned(spec.nbytes)
         goff += w
     return full
 

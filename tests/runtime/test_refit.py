@@ -69,6 +69,7 @@ def mixed_specs():
     add("norm", (64,), L([0, 1, 2, 3], Replicate()), L([0, 1, 2, 3], Replicate()))
     add("scalar", (), L([0], Replicate()), L([0, 1, 2, 3], Replicate()))
     add("stage", (16, 8), L([2, 3], Shard(0)), L([1, 3], Shard(1)))
+    add("odd_bf16", (3, 5), L([0, 1], Shard(1)), L([0, 1, 2, 3], Replicate()), dtype=torch.bfloat16)
     add("bf16", (32, 32), L([0, 1, 2, 3], Shard(1)), tp2dp2, dtype=torch.bfloat16,
         src_dtype=torch.float32)
     return specs, fulls
