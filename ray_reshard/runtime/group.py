@@ -12,7 +12,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ..core.plan import DEFAULT_BUCKET_BYTES, Plan, PlanStats, plan as make_plan
 from ..core.planner import LOCAL, NETWORK, Endpoint
 from ..core.spec import TensorSpec
-from ..errors import RefitError
+from ..errors import RefitError, TransportError
 from . import worker
 from .transport import torch_pg
 
@@ -106,6 +106,7 @@ class ReshardGroup:
         self.src_actors, self.dst_actors = src_actors, dst_actors
         self.group_id = uuid.uuid4().hex
         self._broken: Optional[str] = None
+        self._hung: set = set()         # processes that missed a deadline (maybe still busy)
         self._plans: dict = {}
         self._installed: set = set()
         self._rings: dict = {}          # (sender pid, receiver pid) -> ring name
@@ -323,6 +324,7 @@ class ReshardGroup:
         ready, not_ready = ray.wait(refs, num_returns=len(refs), timeout=timeout + grace)
         not_ready = set(not_ready)
         results, failed, messages = {}, [], []
+        waiting, waiting_msgs = [], []        # failed only because a peer did (transport errors)
         for i, r in enumerate(refs):
             if r in not_ready:
                 continue
@@ -332,16 +334,31 @@ class ReshardGroup:
                 failed.append(pids[i])
                 messages.append(f"process {pids[i]} died ({type(e).__name__})")
             except RayTaskError as e:
-                failed.append(pids[i])
                 cause = e.cause if getattr(e, "cause", None) is not None else e
-                messages.append(f"process {pids[i]}: {type(cause).__name__}: "
-                                f"{(str(cause).splitlines() or [''])[0]}")
-        if not not_ready and not failed:
+                text = f"process {pids[i]}: {type(cause).__name__}: " \
+                       f"{(str(cause).splitlines() or [''])[0]}"
+                if isinstance(cause, TransportError):
+                    waiting.append(pids[i])
+                    waiting_msgs.append(text)
+                else:
+                    failed.append(pids[i])
+                    messages.append(text)
+        if not not_ready and not failed and not waiting:
             return [results[i] for i in range(len(refs))]
         hung = [pids[i] for i, r in enumerate(refs) if r in not_ready]
+        self._hung.update(hung)
         for p in hung:
             messages.append(f"process {p} did not finish within {timeout:.1f} s ({phase})")
-        ranks = self._ranks_of(failed + hung)
+        # The ranks at fault: those that died, hung or raised on their own. Ranks whose transfers
+        # failed (peer gone, channel aborted, timed out) are named as at fault only when nothing
+        # else explains the failure.
+        if failed or hung:
+            ranks = self._ranks_of(failed + hung)
+            if waiting_msgs:
+                messages.append("then, waiting on them: " + "; ".join(waiting_msgs))
+        else:
+            ranks = self._ranks_of(waiting)
+            messages = waiting_msgs
         self._broken = "; ".join(messages)
         raise RefitError(f"refit failed in {phase} on "
                          f"{', '.join(f'{s} rank {r}' for s, r in ranks)}: "
@@ -397,7 +414,11 @@ class ReshardGroup:
             return
         if self._procs:
             refs = [a.__ray_call__.remote(worker.teardown, self.group_id) for a in self._procs]
-            ray.wait(refs, num_returns=len(refs), timeout=10)
+            # A process that missed a deadline may still be stuck: its teardown stays queued
+            # and runs when it frees up; waiting for it would only delay the rebuild.
+            refs = [r for p, r in enumerate(refs) if p not in self._hung]
+            if refs:
+                ray.wait(refs, num_returns=len(refs), timeout=10)
         # Helpers are shared by the driver's groups; only this group's segments go.
         refs = [h.destroy_group.remote(self.group_id) for h in self._helpers.values()]
         if refs:

@@ -1,0 +1,225 @@
+"""Dead and hung ranks: refit raises RefitError naming them within its deadline, never hangs;
+nothing of the failed group leaks; update() (replacement actors, new layouts) brings it back,
+bit-exact.
+
+One group serves the whole module (building groups and starting actors costs seconds on a
+loaded 2-core machine): each test starts from a healthy group, breaks it, checks the failure and
+the leaks, repairs it with update() and checks the next refit. Destinations replicate each other
+(dp x tp=1) across two ranks on one node, so refits use both the network (gloo, node to node)
+and a shared-memory ring (the domain exchange between the replicas).
+"""
+import os
+import sys
+import threading
+import time
+
+import pytest
+import ray
+import torch
+from ray import cloudpickle
+
+import ray_reshard as rr
+from ray_reshard.core.placement import Replicate, Shard
+from ray_reshard.testing import Holder, start_cluster
+
+from reliability_util import L, assert_no_leaks, check_exact, fill, raw, same_raw
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+pytestmark = pytest.mark.timeout(240)
+
+TIMEOUT = 4.0           # refit deadline in these tests
+GRACE = 5.0             # what ReshardGroup waits past it before declaring a rank hung
+MARGIN = 6.0            # scheduling noise on a loaded 2-core machine
+FAILURES = []           # (what, seconds to RefitError): printed at the end of the module
+
+
+def new_actors(n, node):
+    return [Holder.options(resources={f"node{node}": 1}, max_restarts=0).remote()
+            for _ in range(n)]
+
+
+class Rig:
+    def __init__(self):
+        src, dst = new_actors(2, 0), new_actors(2, 1)
+        self.spares = {0: new_actors(2, 0), 1: new_actors(4, 1)}
+        ray.get([a.node.remote() for a in src + dst + self.spares[0] + self.spares[1]])
+        self.step = 0
+        self.group = rr.ReshardGroup(src, dst, tensors=lookup, timeout_s=TIMEOUT)
+        self.refit_ok()
+
+    @property
+    def src(self):
+        return list(self.group.src_actors)
+
+    @property
+    def dst(self):
+        return list(self.group.dst_actors)
+
+    def spare(self, node):
+        return self.spares[node].pop()
+
+    def specs(self):
+        return specs_for(len(self.src), len(self.dst))
+
+    def refit_ok(self):
+        """A good refit of fresh values: bit-exact, every process at the new version."""
+        self.step += 1
+        specs, fulls = self.specs(), fulls_for(self.step)
+        fill(self.src, self.dst, specs, fulls, dst_seed=self.step)
+        res = self.group.refit(specs, timeout_s=30)
+        check_exact(self.dst, specs, fulls)
+        assert self.group.versions() == [res.version] * len(set(self.src + self.dst))
+        return res
+
+    def snapshot_old(self):
+        g = self.group
+        return g.group_id, g.group_name, list(g._rings.values())
+
+
+@pytest.fixture(scope="module")
+def rig():
+    c = start_cluster(2)
+    r = Rig()
+    yield r
+    r.group.close()
+    print("\nseconds from fault to RefitError:", ", ".join(f"{w} {s:.2f}" for w, s in FAILURES))
+    ray.shutdown()
+    c.shutdown()
+
+
+def specs_for(n_src=2, n_dst=2):
+    src = L(list(range(n_src)), Shard(0))
+    dst = L([[r] for r in range(n_dst)], Replicate(), Shard(0), names=("dp", "tp"))
+    return {"w": rr.TensorSpec((64, 32), torch.float32, src, dst),
+            "v": rr.TensorSpec((48,), torch.bfloat16, L(list(range(n_src)), Replicate()), dst,
+                               src_dtype=torch.float32)}
+
+
+def fulls_for(step):
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(64, 32, generator=g), "v": torch.randn(48, generator=g)}
+
+
+def lookup(actor):
+    """The group's tensors= callable: misbehaves on demand (armed from the driver by arm())."""
+    fault = getattr(actor, "rr_fault", None)
+    if fault is not None:
+        kind, skip = fault
+        if skip > 0:                       # let this many lookups pass first (prepare is one)
+            actor.rr_fault = (kind, skip - 1)
+        else:
+            actor.rr_fault = None
+            if kind == "exit":
+                os._exit(1)
+            if kind == "hang":
+                time.sleep(30)
+            if kind == "slow":
+                time.sleep(2.0)
+    return actor.tensors
+
+
+def arm(actor, kind, skip=1):
+    """Misbehave at lookup number skip+1 from now: skip=1 is the next refit's run phase."""
+    ray.get(actor.__ray_call__.remote(lambda self: setattr(self, "rr_fault", (kind, skip))))
+
+
+def failing_refit(rig, what, within):
+    """The refit fails with RefitError in under `within` seconds; versions do not move."""
+    v = rig.group.version
+    t0 = time.monotonic()
+    with pytest.raises(rr.RefitError) as info:
+        rig.group.refit(rig.specs(), timeout_s=TIMEOUT)
+    elapsed = time.monotonic() - t0
+    FAILURES.append((what, elapsed))
+    assert elapsed < within, f"{what}: RefitError after {elapsed:.1f} s"
+    assert rig.group.version == v
+    # A broken group refuses refits until update().
+    with pytest.raises(rr.RefitError, match=r"failed earlier .*call update\(\)"):
+        rig.group.refit(rig.specs())
+    return info.value
+
+
+@pytest.mark.parametrize("side, rank", [("src", 1), ("dst", 0)])
+def test_killed_before_refit(rig, side, rank):
+    old = rig.snapshot_old()
+    src, dst = rig.src, rig.dst
+    victim = (src if side == "src" else dst)[rank]
+    ray.kill(victim, no_restart=True)
+    err = failing_refit(rig, f"{side}{rank} dead before", TIMEOUT + MARGIN)
+    assert err.failed_ranks == ((side, rank),), err
+    assert f"refit failed in prepare on {side} rank {rank}" in str(err)
+    assert "died" in str(err)
+    # Same layouts, a replacement actor in the dead one's place.
+    fresh = rig.spare(0 if side == "src" else 1)
+    (src if side == "src" else dst)[rank] = fresh
+    rig.group.update(src_actors=src, dst_actors=dst)
+    assert_no_leaks(*old, [a for a in src + dst if a is not fresh])
+    rig.refit_ok()
+
+
+def test_source_exits_during_run_then_new_layouts(rig):
+    old = rig.snapshot_old()
+    src, dst = rig.src, rig.dst
+    arm(src[0], "exit")                              # passes prepare, dies in run
+    err = failing_refit(rig, "src0 exits in run", TIMEOUT + MARGIN)
+    assert err.failed_ranks == (("src", 0),), err
+    assert "refit failed in run on src rank 0: process 0 died" in str(err)
+    # New layouts: the surviving source alone feeds three destinations (one of them new).
+    src, dst = src[1:], dst + [rig.spare(1)]
+    rig.group.update(src_actors=src, dst_actors=dst)
+    assert_no_leaks(*old, src + dst[:-1])
+    assert len(rig.group.src_actors) == 1 and len(rig.group.dst_actors) == 3
+    rig.refit_ok()
+    # ... and back to two sources, with a new actor.
+    src = [src[0], rig.spare(0)]
+    rig.group.update(src_actors=src, dst_actors=dst[:2])
+    rig.refit_ok()
+
+
+def test_destination_killed_from_driver_while_refit_runs(rig):
+    src, dst = rig.src, rig.dst
+    old = rig.snapshot_old()
+    fill(src, dst, rig.specs(), fulls_for(99), dst_seed=99)
+    arm(dst[1], "slow")                              # holds the refit open for 2 s
+    killer = threading.Timer(0.7, lambda: ray.kill(dst[0], no_restart=True))
+    killer.start()
+    err = failing_refit(rig, "dst0 killed in run", TIMEOUT + GRACE + MARGIN)
+    killer.join()
+    assert ("dst", 0) in err.failed_ranks, err
+    assert "process 2 died" in str(err)
+    dst[0] = rig.spare(1)
+    rig.group.update(dst_actors=dst)
+    assert_no_leaks(*old, src + dst[1:])
+    rig.refit_ok()
+
+
+def test_hung_rank_named_within_deadline(rig):
+    src, dst = rig.src, rig.dst
+    old = rig.snapshot_old()
+    arm(dst[1], "hang")                              # alive, stuck in its lookup for 30 s
+    err = failing_refit(rig, "dst1 hung in run", TIMEOUT + GRACE + MARGIN)
+    assert err.failed_ranks == (("dst", 1),), err
+    assert "process 3 did not finish within" in str(err)
+    assert "then, waiting on them:" in str(err)      # its peers timed out on it: named, not blamed
+    hung, dst[1] = dst[1], rig.spare(1)
+    t0 = time.monotonic()
+    rig.group.update(dst_actors=dst)
+    assert time.monotonic() - t0 < 10, "update() waited on the hung process"
+    assert_no_leaks(*old, src + dst[:1])
+    rig.refit_ok()
+    ray.kill(hung, no_restart=True)
+
+
+def test_busy_actor_named_within_deadline(rig):
+    """The refit's calls queue behind a long user method: the deadline holds all the same,
+    nothing is written, and update() with the same actors recovers once it is free."""
+    src, dst = rig.src, rig.dst
+    before = raw(dst)
+    busy = src[1].__ray_call__.remote(lambda self: time.sleep(TIMEOUT + GRACE + 3))
+    err = failing_refit(rig, "src1 busy", TIMEOUT + GRACE + MARGIN)
+    assert err.failed_ranks == (("src", 1),), err
+    assert "refit failed in prepare on src rank 1: process 1 did not finish within" in str(err)
+    assert all(same_raw(a, b) for a, b in zip(before, raw(dst)))
+    ray.get(busy)
+    rig.group.update()                               # same actors, group rebuilt
+    rig.refit_ok()
