@@ -54,10 +54,17 @@ class Box:
         return tuple(slice(a, a + n) for a, n in zip(self.offsets, self.sizes))
 
     def split(self, parts: int) -> list["Box"]:
-        """Split along the longest dim into at most `parts` near-equal non-empty boxes."""
+        """Split into at most `parts` near-equal non-empty boxes.
+
+        Along the outermost dim that splits evenly or into 8+ slabs per part (so pieces of a
+        contiguous region stay contiguous and move without packing), else the longest dim.
+        """
         if parts <= 1 or self.ndim == 0:
             return [self]
-        d = max(range(self.ndim), key=lambda i: (self.sizes[i], -i))
+        d = next((i for i in range(self.ndim)
+                  if self.sizes[i] >= parts and (self.sizes[i] % parts == 0
+                                                 or self.sizes[i] >= 8 * parts)),
+                 max(range(self.ndim), key=lambda i: (self.sizes[i], -i)))
         n = self.sizes[d]
         parts = min(parts, n)
         base, extra = divmod(n, parts)

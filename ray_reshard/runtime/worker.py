@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..core.pack import copy_direct, pack, shard_view, unpack
+from ..core.pack import copy_direct, pack, region, shard_view, unpack
 from ..core.plan import Plan, Transfer, parent_key
 from ..core.planner import NETWORK, Endpoint
 from ..errors import TransportError, TransportTimeout
@@ -265,44 +265,109 @@ def discard(actor, group_id: str) -> None:
         wg.staged = None
 
 
+# Network buckets whose items are all at least this large and contiguous at both ends travel as
+# one message per item straight from the source tensor into the destination tensor.
+IN_PLACE_MIN_BYTES = 64 << 10
+
+
+def _contiguous_in_shard(box, shard) -> bool:
+    """Is `box` one contiguous run of a row-major tensor holding `shard`?"""
+    d = 0
+    while d < box.ndim and box.sizes[d] == 1:
+        d += 1
+    return all(box.sizes[e] == shard.sizes[e] for e in range(d + 1, box.ndim))
+
+
+def in_place(plan: Plan, t: Transfer) -> bool:
+    """Wire format of a network bucket, decided from the plan alone so both ends agree:
+    True = one message per item (no packing), False = one packed message."""
+    for it in t.items:
+        spec = plan.specs[it.tensor]
+        if spec.source_dtype != spec.dtype or it.box.numel * spec.itemsize < IN_PLACE_MIN_BYTES:
+            return False
+        for side, rank in ((t.src.side, t.src.rank), ("dst", t.dst)):
+            if not _contiguous_in_shard(it.box, spec.layout(side).box(rank, spec.shape)):
+                return False
+    return True
+
+
 def _execute(wg: _WorkerGroup, prog: _Program, views: dict, deadline: float) -> dict:
     plan = prog.plan
     lookup = lambda side, rank, ti: views[(side, rank, ti)]
     pool = _Pool(wg.bucket_bytes, wg.device)
-    pending: deque = deque()          # network ops in flight: (work, buf, transfer, is_recv)
+    # Network messages in flight, oldest first: (work, transfer, is_recv, staging buffer or
+    # None, what to do once it completed or None).
+    pending: deque = deque()
     window = 2                        # double buffering: at most two staging buckets live
+    max_in_flight = 8                 # in-place messages need no staging; still bounded
+    left: dict = {}                   # transfer key -> messages not yet complete
+    done: set = set()                 # keys of network transfers fully received
     moved = {"network": 0, "domain": 0, "local": 0}
     sent = recv = 0
     clock = {"pack": 0.0, "unpack": 0.0, "wait": 0.0}
     now = time.perf_counter
 
-    def complete(op):
-        work, buf, t, is_recv = op
+    def complete():
+        work, t, is_recv, buf, after = pending.popleft()
         t0 = now()
-        torch_pg.wait(work, deadline, f"{'recv from' if is_recv else 'send to'} process "
-                                      f"{wg.ep_pid[t.src] if is_recv else wg.ep_pid[Endpoint('dst', t.dst)]}")
+        peer = wg.ep_pid[t.src] if is_recv else wg.ep_pid[Endpoint("dst", t.dst)]
+        torch_pg.wait(work, deadline, f"{'recv from' if is_recv else 'send to'} process {peer}")
         t1 = now()
         clock["wait"] += t1 - t0
-        if is_recv:
-            unpack(plan, t, buf, lookup)
+        if after is not None:
+            after()
             clock["unpack"] += now() - t1
+        if buf is not None:
+            pool.put(buf)
+        left[t.key] -= 1
+        if left[t.key] == 0 and is_recv:
             done.add(t.key)
-        pool.put(buf)
 
-    done: set = set()                 # keys of network transfers received and unpacked
+    def post(t, peer, sending: bool, tensor, buf=None, after=None):
+        work = wg.pg.isend(tensor, peer) if sending else wg.pg.irecv(tensor, peer)
+        pending.append((work, t, not sending, buf, after))
 
-    def await_parent(t):
-        """A forwarded piece must have arrived: complete in-flight ops up to its network
-        transfer (forwards sort after it, keyed by its key)."""
-        parent = parent_key(t)
-        while parent not in done and pending:
-            complete(pending.popleft())
+    def staged_count():
+        return sum(1 for op in pending if op[3] is not None)
+
+    def network(t, peer, sending: bool):
+        if in_place(plan, t):
+            left[t.key] = len(t.items)
+            side, rank = (t.src.side, t.src.rank) if sending else ("dst", t.dst)
+            for it in t.items:
+                while len(pending) >= max_in_flight:
+                    complete()
+                v = region(plan, side, rank, it, lookup(side, rank, it.tensor))
+                if v.is_contiguous():
+                    post(t, peer, sending, v.reshape(-1).view(torch.uint8))
+                elif sending:          # the shard itself is strided: stage this item
+                    post(t, peer, sending, v.contiguous().reshape(-1).view(torch.uint8))
+                else:
+                    tmp = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+                    post(t, peer, sending, tmp.reshape(-1).view(torch.uint8),
+                         after=lambda v=v, tmp=tmp: v.copy_(tmp))
+            return
+        left[t.key] = 1
+        while staged_count() >= window or len(pending) >= max_in_flight:
+            complete()
+        buf = pool.get(t.nbytes)
+        if sending:
+            t0 = now()
+            pack(plan, t, lookup, out=buf)
+            clock["pack"] += now() - t0
+            post(t, peer, True, buf, buf)
+        else:
+            post(t, peer, False, buf, buf, after=lambda: unpack(plan, t, buf, lookup))
 
     for t in prog.transfers:
         dst_ep = Endpoint("dst", t.dst)
         here_send, here_recv = t.src in wg.endpoints, dst_ep in wg.endpoints
         if here_send and t.src.side == "dst":
-            await_parent(t)
+            # A forwarded piece must have arrived: complete in-flight messages up to the
+            # network bucket that delivered it (forwards sort after it).
+            parent = parent_key(t)
+            while parent not in done and pending:
+                complete()
         if here_send and here_recv:
             copy_direct(plan, t, lookup)
             moved["local"] += t.nbytes
@@ -323,25 +388,17 @@ def _execute(wg: _WorkerGroup, prog: _Program, views: dict, deadline: float) -> 
                 unpack(plan, t, slot, lookup)
                 ring.release_recv()
                 clock["unpack"] += now() - t1
-            clock["wait"] += t1 - t0
-            if here_recv:
                 moved[t.path] += t.nbytes
+            clock["wait"] += t1 - t0
             continue
-        while len(pending) >= window:
-            complete(pending.popleft())
-        buf = pool.get(t.nbytes)
+        network(t, peer, here_send)
         if here_send:
-            t0 = now()
-            pack(plan, t, lookup, out=buf)
-            clock["pack"] += now() - t0
-            pending.append((wg.pg.isend(buf, peer), buf, t, False))
             sent += t.nbytes
         else:
-            pending.append((wg.pg.irecv(buf, peer), buf, t, True))
             recv += t.nbytes
             moved[t.path] += t.nbytes
     while pending:
-        complete(pending.popleft())
+        complete()
     if wg.device.type == "cuda":
         torch.cuda.synchronize(wg.device)
     return {"bytes_by_path": moved, "sent_bytes": sent, "recv_bytes": recv,

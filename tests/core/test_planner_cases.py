@@ -7,6 +7,8 @@ from collections import defaultdict
 
 import numpy as np
 import pytest
+
+from ray_reshard.core.plan import parent_key
 import torch
 
 from ray_reshard.core import (Box, Endpoint, Layout, Mesh, Replicate, Shard, TensorSpec, plan,
@@ -306,8 +308,10 @@ def test_schedule_orders_forwards_after_their_network_bucket():
         if t.src.side == "dst":
             net = [u for u in sched.transfers[:i] if u.path == NETWORK and u.dst == t.src.rank]
             assert net, t
-            # Right after the network bucket that delivered it (same bucket number and pair)
-            assert t.key[:5] == net[-1].key[:5] or any(u.key[:5] == t.key[:5] for u in net)
+            # After the network bucket that delivered it, one round behind the network
+            parent = parent_key(t)
+            assert any(u.key == parent for u in net)
+            assert t.key[0] == parent[0] + 1
     assert len(pos) == len(sched)
     mine = sched.for_endpoints([Endpoint("dst", 0)])
     assert mine and all(t.dst == 0 or t.src == Endpoint("dst", 0) for t in mine)
