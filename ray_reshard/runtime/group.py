@@ -235,7 +235,8 @@ class ReshardGroup:
             by_node.setdefault(self.proc_nodes[s], []).append((s, d))
         for node, ps in by_node.items():
             names = ray.get(self._helpers[node].create_rings.remote(
-                self.group_id, len(ps), self.bucket_bytes, 2), timeout=self.setup_timeout_s)
+                self.group_id, len(ps), self.bucket_bytes, 2, gpu=self._gpu),
+                timeout=self.setup_timeout_s)
             self._rings.update(zip(ps, names))
         out: dict = {}
         inn: dict = {}

@@ -83,6 +83,8 @@ def attach_rings(actor, group_id: str, out: dict, inn: dict, gpu: bool = False) 
     for peer, name in inn.items():
         if peer not in wg.rings_in:
             wg.rings_in[peer] = Ring.attach(name)
+            if gpu:   # the receiver owns the GPU slots: publish them before any sender waits
+                wg.rings_in[peer].prepare_recv(wg.device)
 
 
 def install(actor, group_id: str, key: str, plan: Plan, transfers: list, strategy: str) -> None:
