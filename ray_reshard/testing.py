@@ -1,18 +1,66 @@
 """Test helpers: a local multi-node Ray cluster and a plain actor that holds tensors."""
 from __future__ import annotations
 
+import atexit
+
 import ray
 import torch
 from ray.cluster_utils import Cluster
 
 
-def start_cluster(nodes: int = 2) -> Cluster:
+_SHARED: dict = {}
+
+
+def start_cluster(nodes: int = 2, shared: bool = True):
+    """A local cluster of `nodes` simulated nodes (resource "node<i>" marks node i), connected.
+
+    With `shared`, one cluster per process is started once and lent out: `shutdown()` on the
+    returned handle only disconnects this driver (which ends the job and its actors), and the
+    next caller reconnects in about a second instead of starting a cluster anew. The cluster
+    goes at interpreter exit (`shutdown_shared`).
+    """
+    if not shared:
+        cluster = _new_cluster(nodes)
+        ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+        return cluster
+    if nodes not in _SHARED:
+        if not _SHARED:
+            atexit.register(shutdown_shared)
+        _SHARED[nodes] = _new_cluster(nodes)
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address=_SHARED[nodes].address, include_dashboard=False, log_to_driver=False)
+    return _Lent(_SHARED[nodes])
+
+
+def shutdown_shared() -> None:
+    """Stop the clusters `start_cluster` lent out."""
+    if ray.is_initialized():
+        ray.shutdown()
+    while _SHARED:
+        _SHARED.popitem()[1].shutdown()
+
+
+def _new_cluster(nodes: int) -> Cluster:
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1,
                                                             "resources": {"node0": 100}})
     for i in range(1, nodes):
         cluster.add_node(num_cpus=1, resources={f"node{i}": 100})
-    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
     return cluster
+
+
+class _Lent:
+    """A shared cluster as handed to one user: shutdown() leaves it running."""
+
+    def __init__(self, cluster: Cluster):
+        self._cluster = cluster
+
+    def __getattr__(self, name):
+        return getattr(self._cluster, name)
+
+    def shutdown(self) -> None:
+        if ray.is_initialized():
+            ray.shutdown()
 
 
 @ray.remote(num_cpus=0)

@@ -14,3 +14,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from ray_reshard.testing import shutdown_shared
+
+    shutdown_shared()

@@ -442,11 +442,13 @@ class ReshardGroup:
 _HELPERS: dict = {}      # (cluster session, node id) -> NodeHelper, shared by this driver's groups
 
 
-def _session() -> str:
+def _session() -> tuple:
+    """Helpers live as long as the driver's job: key them by cluster session and job."""
     try:
-        return ray._private.worker._global_node.session_name
+        session = ray._private.worker._global_node.session_name
     except AttributeError:
-        return ray.get_runtime_context().get_job_id()
+        session = None
+    return session, ray.get_runtime_context().get_job_id()
 
 
 def _node_helpers(nodes, timeout: float) -> dict:
@@ -455,10 +457,9 @@ def _node_helpers(nodes, timeout: float) -> dict:
 
     session = _session()
     have = {n: _HELPERS[(session, n)] for n in nodes if (session, n) in _HELPERS}
-    pings = {n: h.ping.remote() for n, h in have.items()}
-    for n, ref in pings.items():   # drop helpers that died (node loss, a user's ray.kill)
+    for n, h in list(have.items()):   # drop helpers that died (node loss, a user's ray.kill)
         try:
-            ray.get(ref, timeout=timeout)
+            ray.get(h.ping.remote(), timeout=timeout)
         except Exception:
             _HELPERS.pop((session, n), None)
             del have[n]
