@@ -125,10 +125,14 @@ class ReshardGroup:
         return ray.get(refs, timeout=timeout or self.setup_timeout_s)
 
     def _setup(self) -> None:
-        """Probe new actors, find domains, and build the collective group."""
-        new = [a for a in self._procs if _actor_key(a) not in self._infos]
-        for a, info in zip(new, self._call_all(worker.probe, actors=new)):
-            self._infos[_actor_key(a)] = info
+        """Probe the actors, find domains, and build the collective group."""
+        # Every member answers first (new ones say where they run): a dead or stuck member fails
+        # here, named, before any live one starts joining a collective group that could never
+        # complete (and would hold that actor until the transport's own timeout).
+        probes = self._collect([a.__ray_call__.remote(worker.probe) for a in self._procs],
+                               self.setup_timeout_s, "setup")
+        for a, info in zip(self._procs, probes):
+            self._infos.setdefault(_actor_key(a), info)
         infos = [self._infos[_actor_key(a)] for a in self._procs]
         nodes = list(dict.fromkeys(i["node_id"] for i in infos))
         self._helpers = _node_helpers(nodes, self.setup_timeout_s)
@@ -178,7 +182,8 @@ class ReshardGroup:
         """Change membership between refits (replace, add or remove actors); returns seconds.
 
         Works after a failed refit too. What is kept: node helpers, where each known actor runs
-        (only new actors are probed), and the planner's per-signature cache. What is rebuilt:
+        (every member answers a probe first: a dead one fails the update at once, as a RefitError
+        naming it), and the planner's per-signature cache. What is rebuilt:
         the collective group (torch process groups cannot shrink or grow) and the programs.
         """
         if self._closed:
@@ -234,9 +239,15 @@ class ReshardGroup:
         for s, d in missing:
             by_node.setdefault(self.proc_nodes[s], []).append((s, d))
         for node, ps in by_node.items():
-            names = ray.get(self._helpers[node].create_rings.remote(
-                self.group_id, len(ps), self.bucket_bytes, 2, gpu=self._gpu),
-                timeout=self.setup_timeout_s)
+            try:
+                names = ray.get(self._helpers[node].create_rings.remote(
+                    self.group_id, len(ps), self.bucket_bytes, 2, gpu=self._gpu),
+                    timeout=self.setup_timeout_s)
+            except RayActorError:      # the helper died since set-up (a user's ray.kill): replace it
+                self._helpers.update(_node_helpers([node], self.setup_timeout_s))
+                names = ray.get(self._helpers[node].create_rings.remote(
+                    self.group_id, len(ps), self.bucket_bytes, 2, gpu=self._gpu),
+                    timeout=self.setup_timeout_s)
             self._rings.update(zip(ps, names))
         out: dict = {}
         inn: dict = {}

@@ -41,7 +41,7 @@ def new_actors(n, node):
 class Rig:
     def __init__(self):
         src, dst = new_actors(2, 0), new_actors(2, 1)
-        self.spares = {0: new_actors(2, 0), 1: new_actors(4, 1)}
+        self.spares = {0: new_actors(2, 0), 1: new_actors(6, 1)}
         ray.get([a.node.remote() for a in src + dst + self.spares[0] + self.spares[1]])
         self.step = 0
         self.group = rr.ReshardGroup(src, dst, tensors=lookup, timeout_s=TIMEOUT)
@@ -223,3 +223,37 @@ def test_busy_actor_named_within_deadline(rig):
     ray.get(busy)
     rig.group.update()                               # same actors, group rebuilt
     rig.refit_ok()
+
+
+def test_update_with_a_dead_member_fails_fast_and_names_it(rig):
+    """update() with the same actors after one died: RefitError naming it, at once, and no live
+    actor is left blocked joining a collective group that can never complete."""
+    src, dst = rig.src, rig.dst
+    ray.kill(dst[1], no_restart=True)
+    t0 = time.monotonic()
+    with pytest.raises(rr.RefitError) as info:
+        rig.group.update()
+    assert time.monotonic() - t0 < MARGIN
+    assert info.value.failed_ranks == (("dst", 1),), info.value
+    assert "refit failed in setup on dst rank 1: process 3 died" in str(info.value)
+    with pytest.raises(rr.RefitError, match="failed earlier"):
+        rig.group.refit(rig.specs())
+    # The live members answer at once (none is stuck in a rendezvous).
+    ray.get([a.node.remote() for a in src + dst[:1]], timeout=MARGIN)
+    dst[1] = rig.spare(1)
+    rig.group.update(dst_actors=dst)
+    rig.refit_ok()
+
+
+def test_node_helper_killed(rig):
+    """Helpers only create rings; one that dies is replaced when rings are next needed."""
+    src, dst = rig.src, rig.dst
+    for h in list(rig.group._helpers.values()):
+        ray.kill(h, no_restart=True)
+    rig.refit_ok()                                   # rings already mapped: unaffected
+    dst[0] = rig.spare(1)                            # new member: new rings, new helpers
+    t0 = time.monotonic()
+    rig.group.update(dst_actors=dst)
+    rig.refit_ok()
+    assert time.monotonic() - t0 < 3 * MARGIN
+    assert all(ray.get([h.ping.remote() for h in rig.group._helpers.values()], timeout=30))
