@@ -13,8 +13,10 @@ def main(argv=None) -> int:
     b = sub.add_parser("bench", help="reshard vs gather-broadcast vs raw bandwidth on local actors")
     b.add_argument("--mb", type=int, default=256, help="megabytes of weights")
     b.add_argument("--repeats", type=int, default=3)
-    sub.add_parser("plan-scale", help="plan a DeepSeek-V3-sized refit and time it")
-    sub.add_parser("model-bytes", help="bytes of real-size models under the brief's layouts")
+    sub.add_parser("plan-scale", help="plan a DeepSeek-V3-sized refit and time it",
+                   add_help=False)
+    sub.add_parser("model-bytes", help="bytes of real-size models under the brief's layouts",
+                   add_help=False)
     args, rest = ap.parse_known_args(argv)
     if args.cmd == "demo":
         from .demo import run_demo
@@ -24,10 +26,10 @@ def main(argv=None) -> int:
         return bench_main(mb=args.mb, repeats=args.repeats)
     if args.cmd == "plan-scale":
         from .bench.plan_scale import main as m
-        return m() or 0
+        return m(rest) or 0
     if args.cmd == "model-bytes":
         from .bench.model_bytes import main as m
-        return m() or 0
+        return m(rest) or 0
     return 2
 
 

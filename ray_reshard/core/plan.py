@@ -315,8 +315,9 @@ def plan(specs: Mapping[str, TensorSpec], src_domains: Optional[Sequence[Any]] =
     n_dst = _side_size("dst", specs, dst_domains, dst_devices, n_dst)
     topo = Topology.make(n_src, n_dst, src_domains, dst_domains, src_devices, dst_devices)
     # Specs usually share their layout objects: remember what was planned per (shape, dtype,
-    # layout objects, slots) so that each tensor costs a dict lookup. The specs stay alive
-    # during the loop, so the ids are not reused.
+    # layout objects, slot tables) so that each tensor costs a dict lookup. The specs stay
+    # alive during the loop, so the ids are not reused; slot tables (hundreds of Slots) are
+    # keyed by identity because hashing them per tensor dominated planning at scale.
     seen: dict = {}
     tensor_plans = []
     turns: dict = defaultdict(int)       # src layout -> tensors given a rotation so far
@@ -324,8 +325,8 @@ def plan(specs: Mapping[str, TensorSpec], src_domains: Optional[Sequence[Any]] =
     # cyclic collector would rescan the growing heap again and again for nothing.
     with _gc_paused():
         for name, spec in specs.items():
-            key = (spec.shape, spec.dtype, id(spec.src), id(spec.dst), spec.src_slots,
-                   spec.dst_slots)
+            key = (spec.shape, spec.dtype, id(spec.src), id(spec.dst), id(spec.src_slots),
+                   id(spec.dst_slots))
             tp = seen.get(key)
             try:
                 if tp is None:
