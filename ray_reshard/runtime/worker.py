@@ -267,30 +267,17 @@ def discard(actor, group_id: str) -> None:
         wg.staged = None
 
 
-# Network buckets whose items are all at least this large and contiguous at both ends travel as
-# one message per item straight from the source tensor into the destination tensor.
-IN_PLACE_MIN_BYTES = 64 << 10
+# Network buckets whose items are all at least this large travel as one message per item:
+# each end sends from / receives into its own tensor when that region is contiguous (and, on
+# the sender, already of the wire dtype), and stages only the items where it is not.
+PER_ITEM_MIN_BYTES = 64 << 10
 
 
-def _contiguous_in_shard(box, shard) -> bool:
-    """Is `box` one contiguous run of a row-major tensor holding `shard`?"""
-    d = 0
-    while d < box.ndim and box.sizes[d] == 1:
-        d += 1
-    return all(box.sizes[e] == shard.sizes[e] for e in range(d + 1, box.ndim))
-
-
-def in_place(plan: Plan, t: Transfer) -> bool:
+def per_item(plan: Plan, t: Transfer) -> bool:
     """Wire format of a network bucket, decided from the plan alone so both ends agree:
-    True = one message per item (no packing), False = one packed message."""
-    for it in t.items:
-        spec = plan.specs[it.tensor]
-        if spec.source_dtype != spec.dtype or it.box.numel * spec.itemsize < IN_PLACE_MIN_BYTES:
-            return False
-        for side, rank in ((t.src.side, t.src.rank), ("dst", t.dst)):
-            if not _contiguous_in_shard(it.box, spec.layout(side).box(rank, spec.shape)):
-                return False
-    return True
+    True = one message per item, False = one packed message for the whole bucket."""
+    return all(it.box.numel * plan.specs[it.tensor].itemsize >= PER_ITEM_MIN_BYTES
+               for it in t.items)
 
 
 def _execute(wg: _WorkerGroup, prog: _Program, views: dict, deadline: float) -> dict:
@@ -333,21 +320,30 @@ def _execute(wg: _WorkerGroup, prog: _Program, views: dict, deadline: float) -> 
         return sum(1 for op in pending if op[3] is not None)
 
     def network(t, peer, sending: bool):
-        if in_place(plan, t):
+        if per_item(plan, t):
             left[t.key] = len(t.items)
             side, rank = (t.src.side, t.src.rank) if sending else ("dst", t.dst)
             for it in t.items:
-                while len(pending) >= max_in_flight:
-                    complete()
                 v = region(plan, side, rank, it, lookup(side, rank, it.tensor))
-                if v.is_contiguous():
+                wire = plan.specs[it.tensor].dtype
+                if v.is_contiguous() and (not sending or v.dtype == wire):
+                    while len(pending) >= max_in_flight:
+                        complete()
                     post(t, peer, sending, v.reshape(-1).view(torch.uint8))
-                elif sending:          # the shard itself is strided: stage this item
-                    post(t, peer, sending, v.contiguous().reshape(-1).view(torch.uint8))
+                    continue
+                # Strided region (or a dtype to convert): stage this item in a pool buffer.
+                while staged_count() >= window or len(pending) >= max_in_flight:
+                    complete()
+                n = it.box.numel * plan.specs[it.tensor].itemsize
+                buf = pool.get(n)
+                staged = buf.view(wire).view(it.box.sizes)
+                if sending:
+                    t0 = now()
+                    staged.copy_(v)
+                    clock["pack"] += now() - t0
+                    post(t, peer, True, buf, buf)
                 else:
-                    tmp = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-                    post(t, peer, sending, tmp.reshape(-1).view(torch.uint8),
-                         after=lambda v=v, tmp=tmp: v.copy_(tmp))
+                    post(t, peer, False, buf, buf, after=lambda v=v, staged=staged: v.copy_(staged))
             return
         left[t.key] = 1
         while staged_count() >= window or len(pending) >= max_in_flight:
