@@ -7,8 +7,10 @@
 exchange), a few MB of weights in float32 and bfloat16. Before every refit the sources change
 their weights in place (an optimizer step); every `--every` refits the destinations are checked
 bit-exactly and the bench samples, per window: refit latency (median, p99), the RSS and open file
-descriptors of every actor and node-helper process, shared-memory segments (`rr-*` files in
-/dev/shm, and `rr-*` mappings in the actor processes), and the driver's RSS. It prints a table
+descriptors of every actor and node-helper process, live Python objects in the actors (after a
+gc.collect(), which the probe runs after reading RSS), shared-memory segments (`rr-*` files in
+/dev/shm, and `rr-*` mappings in the actor processes), and the driver's RSS and fds. The /dev/shm
+count is machine-wide: other programs' `rr-*` segments show up there too. It prints a table
 and a verdict per metric: flat, or drifting with the fitted slope.
 """
 from __future__ import annotations
@@ -47,10 +49,15 @@ def _fds(pid: Optional[int] = None) -> int:
 
 
 def _probe(actor) -> dict:
-    """Runs inside an actor or helper: its own pid, RSS, fds and mapped rr-* segments."""
+    """Runs inside an actor or helper: its own pid, RSS, fds, mapped rr-* segments and the
+    number of live Python objects (tells a Python-side leak from native growth)."""
+    import gc
     with open("/proc/self/maps") as f:
         mapped = len(set(_SEG.findall(f.read())))
-    return {"pid": os.getpid(), "rss": _rss_bytes(), "fds": _fds(), "mapped": mapped}
+    rss = _rss_bytes()                  # read before collecting: garbage counts as growth here
+    gc.collect()
+    return {"pid": os.getpid(), "rss": rss, "fds": _fds(), "mapped": mapped,
+            "pyobjs": len(gc.get_objects())}
 
 
 def _shm_files() -> int:
@@ -158,6 +165,12 @@ def main(refits: int = 300, every: int = 25, mb: float = 4.0, bucket_kb: int = 2
 
             def sample(i: int, lat: list) -> dict:
                 probes = ray.get([a.__ray_call__.remote(_probe) for a in watched])
+                # This group's segments still named in /dev/shm (rings are sealed once mapped,
+                # so 0 is expected) plus what its helpers still hold for it.
+                ours = sum(os.path.exists(os.path.join("/dev/shm", n))
+                           for n in group._rings.values())
+                ours += sum(len(x) for x in ray.get([h.segments.remote(group.group_id)
+                                                     for h in helpers]))
                 actors_p, helpers_p = probes[:8], probes[8:]
                 return {"refit": i, "median_ms": statistics.median(lat) * 1e3 if lat else 0.0,
                         "p99_ms": _p99(lat) * 1e3 if lat else 0.0,
@@ -166,7 +179,9 @@ def main(refits: int = 300, every: int = 25, mb: float = 4.0, bucket_kb: int = 2
                         "actor_fds": [p["fds"] for p in actors_p],
                         "helper_fds": [p["fds"] for p in helpers_p],
                         "mapped": sum(p["mapped"] for p in actors_p),
-                        "shm_files": _shm_files(), "driver_rss_mb": _rss_bytes() / 2 ** 20,
+                        "pyobjs": sum(p["pyobjs"] for p in actors_p),
+                        "shm_files": _shm_files(), "shm_ours": ours,
+                        "driver_rss_mb": _rss_bytes() / 2 ** 20,
                         "driver_fds": _fds()}
 
             k = 0
@@ -201,16 +216,18 @@ def _report(rows: list, refits: int, wall: float, total: int) -> None:
     print(f"\n{refits} refits in {wall:.1f} s ({refits / wall:.1f} refits/s including the "
           f"optimizer-step calls); every sampled refit was bit-exact\n")
     hdr = (f"{'refit':>6} {'med ms':>7} {'p99 ms':>7} {'actor RSS MB (min-max, sum)':>28} "
-           f"{'helper RSS':>10} {'fds (actors)':>12} {'helper fds':>10} {'maps':>5} {'shm':>4} "
-           f"{'driver MB':>9} {'drv fds':>7}")
+           f"{'helper RSS':>10} {'fds (actors)':>12} {'helper fds':>10} {'maps':>5} {'ours':>4} {'shm*':>4} "
+           f"{'driver MB':>9} {'drv fds':>7} {'py objs (actors)':>16}")
     print(hdr)
     print("-" * len(hdr))
+    # maps: rr-* segments mapped by the actors; ours: this group's segments still named in
+    # /dev/shm or held by the helpers; shm*: every rr-* file in /dev/shm
     for r in rows:
         a = r["actor_rss_mb"]
         print(f"{r['refit']:>6} {r['median_ms']:>7.1f} {r['p99_ms']:>7.1f} "
               f"{min(a):>9.1f}-{max(a):<7.1f} {sum(a):>9.1f} {sum(r['helper_rss_mb']):>10.1f} "
               f"{sum(r['actor_fds']):>12} {sum(r['helper_fds']):>10} {r['mapped']:>5} "
-              f"{r['shm_files']:>4} {r['driver_rss_mb']:>9.1f} {r['driver_fds']:>7}")
+              f"{r['shm_ours']:>4} {r['shm_files']:>4} {r['driver_rss_mb']:>9.1f} {r['driver_fds']:>7} {r['pyobjs']:>16}")
     # Verdicts over the windows after the first one (the first includes warm-up effects).
     body = [r for r in rows if r["refit"] > 0]
     steady = body[1:] if len(body) > 2 else body
@@ -234,11 +251,13 @@ def _report(rows: list, refits: int, wall: float, total: int) -> None:
     judge("actor RSS max (MB)", [max(r["actor_rss_mb"]) for r in steady], "MB/refit", 8.0)
     judge("helper RSS sum (MB)", [sum(r["helper_rss_mb"]) for r in steady], "MB/refit", 8.0)
     judge("driver RSS (MB)", [r["driver_rss_mb"] for r in steady], "MB/refit", 16.0)
+    judge("live Python objects (actors)", [r["pyobjs"] for r in steady], "objs/refit", 2000.0)
     judge("actor fds (sum)", [sum(r["actor_fds"]) for r in steady], "fds/refit", 2.0)
     judge("helper fds (sum)", [sum(r["helper_fds"]) for r in steady], "fds/refit", 2.0)
     judge("driver fds", [r["driver_fds"] for r in steady], "fds/refit", 2.0)
     judge("rr-* mappings in actors", [r["mapped"] for r in steady], "maps/refit", 0.5)
-    judge("rr-* files in /dev/shm", [r["shm_files"] for r in steady], "files/refit", 0.5)
+    judge("this group's shm segments", [r["shm_ours"] for r in steady], "files/refit", 0.5)
+    print("  (shm* = every rr-* file in /dev/shm, machine-wide: other programs' too; not judged)")
     print(f"\nVERDICT: {'flat' if all(verdicts) else 'drifting'}")
 
 
