@@ -25,10 +25,10 @@ CONFIG = {
 
 def run_demo(scale: int = 1) -> int:
     import ray
-    from ray.cluster_utils import Cluster
 
     import ray_reshard as rr
     from ray_reshard import models
+    from ray_reshard.testing import local_cluster
 
     config = dict(CONFIG, num_hidden_layers=CONFIG["num_hidden_layers"] * scale)
     train = models.Megatron(tp=1, pp=2, ep=2, dp=2)
@@ -44,10 +44,7 @@ def run_demo(scale: int = 1) -> int:
     print(f"training side: Megatron {train.pp=} {train.ep=} {train.dp=} (fp32), node A; "
           f"inference side: {infer} (bf16), node B")
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"A": 8}})
-    cluster.add_node(num_cpus=1, resources={"B": 8})
-    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
-    try:
+    with local_cluster(2):
         @ray.remote(num_cpus=0)
         class Trainer:
             def __init__(self, params):
@@ -71,10 +68,10 @@ def run_demo(scale: int = 1) -> int:
                 for t in self.weights.values():
                     t.zero_()
 
-        trainers = [Trainer.options(resources={"A": 1}).remote(
+        trainers = [Trainer.options(resources={"node0": 1}).remote(
             models.local_state(config, train, "src", r, state, dtype=torch.float32))
             for r in range(train.world)]
-        engines = [Engine.options(resources={"B": 1}).remote(
+        engines = [Engine.options(resources={"node1": 1}).remote(
             models.empty_storage(config, infer, r, dtype=torch.bfloat16))
             for r in range(infer.world)]
         want = [models.local_state(config, infer, "dst", r, state, dtype=torch.bfloat16)
@@ -106,6 +103,3 @@ def run_demo(scale: int = 1) -> int:
         print(f"\nmedian of 3 refits: reshard {r:.3f} s, gather-broadcast {gb:.3f} s "
               f"-> reshard {gb / r:.1f}x faster")
         return 0
-    finally:
-        ray.shutdown()
-        cluster.shutdown()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 
 import ray
 import torch
@@ -31,6 +32,17 @@ def start_cluster(nodes: int = 2, shared: bool = True):
         ray.shutdown()
     ray.init(address=_SHARED[nodes].address, include_dashboard=False, log_to_driver=False)
     return _Lent(_SHARED[nodes])
+
+
+@contextlib.contextmanager
+def local_cluster(nodes: int = 2):
+    """A private local cluster for a script (demo, benchmarks); stopped on exit."""
+    cluster = start_cluster(nodes, shared=False)
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
 
 
 def shutdown_shared() -> None:

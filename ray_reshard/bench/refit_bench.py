@@ -28,14 +28,11 @@ def _layouts():
 
 def main(mb: int = 256, repeats: int = 3) -> int:
     import ray
-    from ray.cluster_utils import Cluster
 
     import ray_reshard as rr
+    from ray_reshard.testing import local_cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"a": 8}})
-    cluster.add_node(num_cpus=1, resources={"b": 8})
-    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
-    try:
+    with local_cluster(2):
         @ray.remote(num_cpus=0)
         class Holder:
             def __init__(self):
@@ -49,8 +46,8 @@ def main(mb: int = 256, repeats: int = 3) -> int:
             def reshard_tensors(self):
                 return self.t
 
-        src = [Holder.options(resources={"a": 1}).remote() for _ in range(4)]
-        dst = [Holder.options(resources={"b": 1}).remote() for _ in range(4)]
+        src = [Holder.options(resources={"node0": 1}).remote() for _ in range(4)]
+        dst = [Holder.options(resources={"node1": 1}).remote() for _ in range(4)]
         n_tensors = max(1, mb // 8)
         rows, cols = 2048, 2048                    # 8 MB per bf16 tensor
         print(f"{n_tensors} bf16 tensors of {rows}x{cols} ({n_tensors * rows * cols * 2 / 1e6:.0f} MB), "
@@ -87,9 +84,6 @@ def main(mb: int = 256, repeats: int = 3) -> int:
             print(f"speed-up reshard vs gather-broadcast: "
                   f"{times['gather_broadcast'] / times['reshard']:.2f}x")
         return 0
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 if __name__ == "__main__":

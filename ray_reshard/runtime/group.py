@@ -109,7 +109,7 @@ class ReshardGroup:
         self._hung: set = set()         # processes that missed a deadline (maybe still busy)
         self._plans: dict = {}
         self._installed: set = set()
-        self._rings: dict = {}          # (sender pid, receiver pid) -> ring name
+        self._rings: dict = {}          # (sender pid, receiver pid) -> (ring name, slot bytes)
         self._procs, self._ep_pid, pid_of = [], {}, {}
         for side, actors in (("src", src_actors), ("dst", dst_actors)):
             for i, a in enumerate(actors):
@@ -173,7 +173,7 @@ class ReshardGroup:
         world = len(self._procs)
         refs = [a.__ray_call__.remote(worker.setup, self.group_id, self.group_name, world, p,
                                       backend, self._ep_pid, infos[p]["device"], self._tensors_fn,
-                                      self.bucket_bytes, self.setup_timeout_s)
+                                      self.bucket_bytes, self.setup_timeout_s, self._version)
                 for p, a in enumerate(self._procs)]
         ray.get(refs, timeout=self.setup_timeout_s)
 
@@ -214,14 +214,14 @@ class ReshardGroup:
             return
         sched = p.schedule(self.bucket_bytes)
         programs = {pid: [] for pid in range(len(self._procs))}
-        pairs = set()
+        pairs: dict = {}                # (sender, receiver) on one node -> largest bucket
         for t in sched.transfers:
             s, d = self._ep_pid[t.src], self._ep_pid[Endpoint("dst", t.dst)]
             programs[s].append(t)
             if d != s:
                 programs[d].append(t)
                 if t.path != NETWORK and self.proc_nodes[s] == self.proc_nodes[d]:
-                    pairs.add((s, d))
+                    pairs[(s, d)] = max(pairs.get((s, d), 0), t.nbytes)
         if self.strategy == "reshard":
             self._ensure_rings(pairs, timeout)
         plan_ref = ray.put(p)
@@ -231,29 +231,31 @@ class ReshardGroup:
         self._collect(refs, timeout or self.setup_timeout_s, "install")
         self._installed.add(key)
 
-    def _ensure_rings(self, pairs, timeout: Optional[float] = None) -> None:
-        missing = sorted(pairs - set(self._rings))
+    def _ensure_rings(self, pairs: dict, timeout: Optional[float] = None) -> None:
+        """Rings for intra-node pairs, slots sized to the pair's largest bucket (a pair that a
+        later plan sends more gets a new, larger ring)."""
+        missing = sorted(k for k, n in pairs.items() if self._rings.get(k, ("", 0))[1] < n)
         if not missing:
             return
-        by_node: dict = {}
+        by_size: dict = {}
         for s, d in missing:
-            by_node.setdefault(self.proc_nodes[s], []).append((s, d))
-        for node, ps in by_node.items():
+            by_size.setdefault((self.proc_nodes[s], pairs[(s, d)]), []).append((s, d))
+        for (node, size), ps in by_size.items():
+            def create():
+                return ray.get(self._helpers[node].create_rings.remote(
+                    self.group_id, len(ps), size, 2, gpu=self._gpu), timeout=self.setup_timeout_s)
             try:
-                names = ray.get(self._helpers[node].create_rings.remote(
-                    self.group_id, len(ps), self.bucket_bytes, 2, gpu=self._gpu),
-                    timeout=self.setup_timeout_s)
+                names = create()
             except RayActorError:      # the helper died since set-up (a user's ray.kill): replace it
                 self._helpers.update(_node_helpers([node], self.setup_timeout_s))
-                names = ray.get(self._helpers[node].create_rings.remote(
-                    self.group_id, len(ps), self.bucket_bytes, 2, gpu=self._gpu),
-                    timeout=self.setup_timeout_s)
-            self._rings.update(zip(ps, names))
+                names = create()
+            self._rings.update((k, (n, size)) for k, n in zip(ps, names))
+        by_node = {node for node, _ in by_size}
         out: dict = {}
         inn: dict = {}
         for (s, d) in missing:
-            out.setdefault(s, {})[d] = self._rings[(s, d)]
-            inn.setdefault(d, {})[s] = self._rings[(s, d)]
+            out.setdefault(s, {})[d] = self._rings[(s, d)][0]
+            inn.setdefault(d, {})[s] = self._rings[(s, d)][0]
         pids = sorted(set(out) | set(inn))
         self._collect([self._procs[p].__ray_call__.remote(worker.attach_rings, self.group_id,
                                                           out.get(p, {}), inn.get(p, {}), self._gpu)

@@ -56,17 +56,22 @@ def probe(actor) -> dict:
 
 
 def setup(actor, group_id: str, group_name: str, world: int, pid: int, backend: str,
-          ep_pid: dict, device: str, tensors_fn, bucket_bytes: int, timeout_s: float) -> int:
-    """Join the group's collective group (blocks until all members joined)."""
+          ep_pid: dict, device: str, tensors_fn, bucket_bytes: int, timeout_s: float,
+          version: int = 0) -> int:
+    """Join the group's collective group (blocks until all members joined, at most
+    `timeout_s`). `version` is the group's current version (kept across update())."""
     from ray.util.collective import collective as col
 
     torch_pg.ensure_registered()
+    # Ray's init_collective_group passes no timeout to a registered backend: hand it over here.
+    torch_pg.RENDEZVOUS_TIMEOUT_S = timeout_s
     col.init_collective_group(world, pid, backend=torch_pg.backend_name(backend),
                               group_name=group_name)
     pg = col.get_group_handle(group_name)
     eps = frozenset(ep for ep, p in ep_pid.items() if p == pid)
     _GROUPS[group_id] = _WorkerGroup(group_id, group_name, pid, eps, dict(ep_pid),
-                                     torch.device(device), tensors_fn, bucket_bytes, pg)
+                                     torch.device(device), tensors_fn, bucket_bytes, pg,
+                                     version=version)
     return pid
 
 
@@ -77,14 +82,16 @@ def attach_rings(actor, group_id: str, out: dict, inn: dict, gpu: bool = False) 
     else:
         from .transport.shm import ShmRing as Ring
     wg = _GROUPS[group_id]
-    for peer, name in out.items():
-        if peer not in wg.rings_out:
-            wg.rings_out[peer] = Ring.attach(name)
-    for peer, name in inn.items():
-        if peer not in wg.rings_in:
-            wg.rings_in[peer] = Ring.attach(name)
-            if gpu:   # the receiver owns the GPU slots: publish them before any sender waits
-                wg.rings_in[peer].prepare_recv(wg.device)
+    for rings, names, receiving in ((wg.rings_out, out, False), (wg.rings_in, inn, True)):
+        for peer, name in names.items():
+            old = rings.get(peer)
+            if old is not None and old.name == name:
+                continue
+            if old is not None:        # replaced by a larger ring
+                old.close()
+            rings[peer] = Ring.attach(name)
+            if gpu and receiving:      # the receiver owns the GPU slots: publish them first
+                rings[peer].prepare_recv(wg.device)
 
 
 def install(actor, group_id: str, key: str, plan: Plan, transfers: list, strategy: str) -> None:

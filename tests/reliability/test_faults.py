@@ -73,7 +73,7 @@ class Rig:
 
     def snapshot_old(self):
         g = self.group
-        return g.group_id, g.group_name, list(g._rings.values())
+        return g.group_id, g.group_name, [name for name, _ in g._rings.values()]
 
 
 @pytest.fixture(scope="module")

@@ -130,6 +130,8 @@ def test_repeated_refits_reuse_plan_and_see_rebound_tensors(actors):
             check(dst, specs, fulls)
         assert group.version == 3
         assert group.versions() == [3] * len(set(src + dst))
+        group.update(src_actors=src, dst_actors=dst[::-1])      # membership change keeps it
+        assert group.versions() == [3] * len(set(src + dst))
 
 
 def test_strategies_agree(actors):

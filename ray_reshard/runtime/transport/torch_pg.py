@@ -24,6 +24,8 @@ from ...errors import TransportError, TransportTimeout
 
 _KV_PREFIX = "ray_reshard_store:"
 DEFAULT_OP_TIMEOUT_S = 1800.0
+# Bound on joining a group (store connection, first barrier); the executor sets it per group.
+RENDEZVOUS_TIMEOUT_S = 120.0
 
 
 def _kv():
@@ -37,8 +39,11 @@ class TorchPGGroup(BaseGroup):
     pg_backend = "gloo"
 
     def __init__(self, world_size: int, rank: int, group_name: str,
-                 timeout_s: float = DEFAULT_OP_TIMEOUT_S, rendezvous_timeout_s: float = 120.0):
+                 timeout_s: float = DEFAULT_OP_TIMEOUT_S,
+                 rendezvous_timeout_s: Optional[float] = None):
         super().__init__(world_size, rank, group_name)
+        if rendezvous_timeout_s is None:
+            rendezvous_timeout_s = RENDEZVOUS_TIMEOUT_S
         key = _KV_PREFIX + group_name
         kv = _kv()
         if rank == 0:
@@ -63,8 +68,9 @@ class TorchPGGroup(BaseGroup):
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self.pg = self._make_pg(dist.PrefixStore(group_name + "/", self._store), rank, world_size)
         self._subgroups: dict = {}
-        # Everyone has connected once this returns; the KV entry is no longer needed.
-        self.pg.barrier().wait()
+        # Everyone has connected once this returns; the KV entry is no longer needed. A member
+        # that died during set-up fails the others here within the rendezvous timeout.
+        self.pg.barrier().wait(datetime.timedelta(seconds=rendezvous_timeout_s))
         if rank == 0:
             kv._internal_kv_del(key)
 
