@@ -26,16 +26,12 @@ import torch
 
 def main(repeats: int = 5, mb: float = 8.0, bucket_mb: float = 64.0) -> int:
     import ray
-    from ray.cluster_utils import Cluster
+    from ray_reshard.testing import local_cluster
 
     import ray_reshard as rr
     from ray_reshard.core.placement import Replicate, Shard
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"a": 8},
-                                                             "include_dashboard": False})
-    cluster.add_node(num_cpus=1, resources={"b": 8})
-    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
-    try:
+    with local_cluster(2):
         @ray.remote(num_cpus=0)
         class Rank:
             def __init__(self):
@@ -52,8 +48,8 @@ def main(repeats: int = 5, mb: float = 8.0, bucket_mb: float = 64.0) -> int:
         dst_l = L([[0, 1], [2, 3]], Replicate(), Shard(0), names=("dp", "tp"))
         n = max(1, int(mb * 2 ** 20 // (512 * 512 * 4)))
         specs = {f"w{i}": rr.TensorSpec((512, 512), torch.float32, src_l, dst_l) for i in range(n)}
-        src = [Rank.options(resources={"a": 1}).remote() for _ in range(4)]
-        dst = [Rank.options(resources={"b": 1}).remote() for _ in range(6)]   # 2 spares
+        src = [Rank.options(resources={"node0": 1}).remote() for _ in range(4)]
+        dst = [Rank.options(resources={"node1": 1}).remote() for _ in range(6)]   # 2 spares
         ray.get([a.set.remote({k: torch.randn(s.src.local_shape(r, s.shape)) for k, s in specs.items()})
                  for r, a in enumerate(src)])
         ray.get([a.set.remote({k: torch.zeros(s.dst.local_shape(r % 4 if r < 4 else 3, s.shape))
@@ -110,9 +106,6 @@ def main(repeats: int = 5, mb: float = 8.0, bucket_mb: float = 64.0) -> int:
         print(f"\nto the first completed refit: update {u:.3f} s vs new group {b:.3f} s "
               f"({b / u:.2f}x)")
         return 0
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 if __name__ == "__main__":

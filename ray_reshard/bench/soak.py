@@ -100,17 +100,13 @@ def _p99(xs):
 def main(refits: int = 300, every: int = 25, mb: float = 4.0, bucket_kb: int = 256,
          warmup: int = 1) -> int:
     import ray
-    from ray.cluster_utils import Cluster
+    from ray_reshard.testing import local_cluster
 
     import ray_reshard as rr
     from ray_reshard.core.placement import Replicate, Shard
     from ray_reshard.runtime import group as group_mod
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"a": 8},
-                                                             "include_dashboard": False})
-    cluster.add_node(num_cpus=1, resources={"b": 8})
-    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
-    try:
+    with local_cluster(2):
         @ray.remote(num_cpus=0)
         class Rank:
             def __init__(self):
@@ -137,8 +133,8 @@ def main(refits: int = 300, every: int = 25, mb: float = 4.0, bucket_kb: int = 2
         fulls = {k: torch.randn(s.shape, generator=g) for k, s in specs.items()}
         total = sum(s.nbytes for s in specs.values())
 
-        src = [Rank.options(resources={"a": 1}).remote() for _ in range(4)]
-        dst = [Rank.options(resources={"b": 1}).remote() for _ in range(4)]
+        src = [Rank.options(resources={"node0": 1}).remote() for _ in range(4)]
+        dst = [Rank.options(resources={"node1": 1}).remote() for _ in range(4)]
         ray.get([a.__ray_call__.remote(_set_base, {k: rr.shard_tensor(fulls[k], s.src, r)
                                                    for k, s in specs.items()})
                  for r, a in enumerate(src)])
@@ -207,9 +203,6 @@ def main(refits: int = 300, every: int = 25, mb: float = 4.0, bucket_kb: int = 2
 
         _report(rows, refits, wall, total)
         return 0
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def _report(rows: list, refits: int, wall: float, total: int) -> None:

@@ -189,7 +189,9 @@ class ReshardGroup:
         if self._closed:
             raise RuntimeError("this ReshardGroup is closed")
         t0 = time.perf_counter()
-        self._leave()
+        # Each actor runs its calls in order: the old group's teardown is queued before the
+        # new set-up, so there is no need to wait for it.
+        self._leave(wait=False)
         self._bind(self.src_actors if src_actors is None else src_actors,
                    self.dst_actors if dst_actors is None else dst_actors)
         live = {_actor_key(a) for a in self._procs}
@@ -423,19 +425,18 @@ class ReshardGroup:
         self._leave()
         self._helpers = {}
 
-    def _leave(self) -> None:
+    def _leave(self, wait: bool = True) -> None:
         if self.group_id is None:
             return
+        refs = []
         if self._procs:
-            refs = [a.__ray_call__.remote(worker.teardown, self.group_id) for a in self._procs]
+            calls = [a.__ray_call__.remote(worker.teardown, self.group_id) for a in self._procs]
             # A process that missed a deadline may still be stuck: its teardown stays queued
             # and runs when it frees up; waiting for it would only delay the rebuild.
-            refs = [r for p, r in enumerate(refs) if p not in self._hung]
-            if refs:
-                ray.wait(refs, num_returns=len(refs), timeout=10)
+            refs = [r for p, r in enumerate(calls) if p not in self._hung]
         # Helpers are shared by the driver's groups; only this group's segments go.
-        refs = [h.destroy_group.remote(self.group_id) for h in self._helpers.values()]
-        if refs:
+        refs += [h.destroy_group.remote(self.group_id) for h in self._helpers.values()]
+        if refs and wait:
             ray.wait(refs, num_returns=len(refs), timeout=10)
 
     def __enter__(self):
@@ -470,9 +471,11 @@ def _node_helpers(nodes, timeout: float) -> dict:
 
     session = _session()
     have = {n: _HELPERS[(session, n)] for n in nodes if (session, n) in _HELPERS}
-    for n, h in list(have.items()):   # drop helpers that died (node loss, a user's ray.kill)
+    pings = {n: h.ping.remote() for n, h in have.items()}
+    ray.wait(list(pings.values()), num_returns=len(pings), timeout=timeout)
+    for n, ref in pings.items():      # drop helpers that died (node loss, a user's ray.kill)
         try:
-            ray.get(h.ping.remote(), timeout=timeout)
+            ray.get(ref, timeout=0)
         except Exception:
             _HELPERS.pop((session, n), None)
             del have[n]
