@@ -16,19 +16,11 @@ from ray import cloudpickle
 import ray_reshard as rr
 from ray_reshard.core.placement import Replicate, Shard
 from ray_reshard.runtime import worker
-from ray_reshard.testing import holders, start_cluster
+from ray_reshard.testing import holders
 
 # Functions of this module run inside actors: ship them by value (tests/ is not importable there).
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = start_cluster(2)
-    yield c
-    ray.shutdown()
-    c.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -6,15 +6,7 @@ import torch
 import ray_reshard as rr
 from ray_reshard.core.placement import Replicate, Shard
 
-from ray_reshard.testing import holders, start_cluster
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = start_cluster(2)
-    yield c
-    ray.shutdown()
-    c.shutdown()
+from ray_reshard.testing import holders
 
 
 @pytest.fixture(scope="module")

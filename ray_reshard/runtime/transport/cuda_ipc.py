@@ -72,19 +72,9 @@ class CudaIpcRing(_Segment):
         self._buf: Optional[torch.Tensor] = None
         self._owner = False
 
-    @classmethod
-    def create(cls, slot_bytes: int, slots: int = 2, name: Optional[str] = None) -> "CudaIpcRing":
-        """Create the header segment (no GPU needed); the receiver allocates the GPU buffer."""
-        name, mm = cls._create_mapping(slot_bytes, slots, name, data=False)
-        try:
-            return cls(name, mm, owner_created=True)
-        except BaseException:
-            cls.unlink(name)
-            raise
-
-    @classmethod
-    def attach(cls, name: str) -> "CudaIpcRing":
-        return cls(name, cls._attach_mapping(name), owner_created=False)
+    # create() makes only the header segment (no GPU needed); the receiver allocates the GPU
+    # buffer on first use.
+    _DATA_IN_SEGMENT = False
 
     # -- the GPU buffer
     @property

@@ -233,6 +233,23 @@ class _Segment:
         stride = _round_up(max(slot_bytes, 1), _PAGE) if data else 0
         return header, stride, header + stride * slots
 
+    _DATA_IN_SEGMENT = True          # slots live in the segment (CudaIpcRing: on the GPU)
+
+    @classmethod
+    def create(cls, slot_bytes: int, slots: int = 2, name: Optional[str] = None) -> "_Segment":
+        """Create a new segment (name ``rr-<random>`` unless given) and map it."""
+        name, mm = cls._create_mapping(slot_bytes, slots, name, data=cls._DATA_IN_SEGMENT)
+        try:
+            return cls(name, mm, owner_created=True)
+        except BaseException:
+            cls.unlink(name)
+            raise
+
+    @classmethod
+    def attach(cls, name: str) -> "_Segment":
+        """Map an existing segment; sizes come from its header."""
+        return cls(name, cls._attach_mapping(name), owner_created=False)
+
     @classmethod
     def _create_mapping(cls, slot_bytes: int, slots: int, name: Optional[str], data: bool,
                         meta: bytes = b""):
@@ -513,20 +530,6 @@ class ShmRing(_Segment):
         arr = np.frombuffer(mm, dtype=np.uint8, count=data_bytes, offset=header)
         self._data: Optional[torch.Tensor] = torch.from_numpy(arr)
 
-    @classmethod
-    def create(cls, slot_bytes: int, slots: int = 2, name: Optional[str] = None) -> "ShmRing":
-        """Create a new segment (name ``rr-<random>`` unless given) and map it."""
-        name, mm = cls._create_mapping(slot_bytes, slots, name, data=True)
-        try:
-            return cls(name, mm, owner_created=True)
-        except BaseException:
-            cls.unlink(name)
-            raise
-
-    @classmethod
-    def attach(cls, name: str) -> "ShmRing":
-        """Map an existing segment; sizes come from its header."""
-        return cls(name, cls._attach_mapping(name), owner_created=False)
 
     def _view(self, idx: int, nbytes: int) -> torch.Tensor:
         off = idx * self._stride
