@@ -138,14 +138,7 @@ def local_state(config: Any, parallel, side: str, rank: int,
     if dtype is None:
         dtype = next(iter(state_dict.values())).dtype
     out = {n: torch.zeros(decl.shape, dtype=_decl_dtype(decl, dtype)) for n, decl in decls.items()}
-    for pc in pieces:
-        layout, slots = sd.place(pc)
-        slot = slots.get(rank)
-        if slot is None:
-            continue
-        box = layout.box(rank, pc.shape)
-        if box.empty:
-            continue
+    for pc, slot, box in _placed(sd, pieces, rank):
         try:
             full = state_dict[pc.hf]
         except KeyError:
@@ -155,20 +148,25 @@ def local_state(config: Any, parallel, side: str, rank: int,
     return out
 
 
-def padding_mask(config: Any, parallel, rank: int, hf_experts: str = "auto"
-                 ) -> dict[str, torch.Tensor]:
-    """Per storage tensor of `rank`, a bool mask of the elements that hold no logical data
-    (vocabulary padding). Raises if a logical element is placed twice."""
-    dims, sd, pieces = _side_pieces(config, parallel, hf_experts)
-    cover = {n: torch.zeros(decl.shape, dtype=torch.int32) for n, decl in sd.storages(rank).items()}
+def _placed(sd, pieces, rank: int):
+    """(piece, slot, box) of every piece `rank` holds a non-empty part of."""
     for pc in pieces:
         layout, slots = sd.place(pc)
         slot = slots.get(rank)
         if slot is None:
             continue
         box = layout.box(rank, pc.shape)
-        if box.empty:
-            continue
+        if not box.empty:
+            yield pc, slot, box
+
+
+def padding_mask(config: Any, parallel, rank: int, hf_experts: str = "auto"
+                 ) -> dict[str, torch.Tensor]:
+    """Per storage tensor of `rank`, a bool mask of the elements that hold no logical data
+    (vocabulary padding). Raises if a logical element is placed twice."""
+    dims, sd, pieces = _side_pieces(config, parallel, hf_experts)
+    cover = {n: torch.zeros(decl.shape, dtype=torch.int32) for n, decl in sd.storages(rank).items()}
+    for pc, slot, box in _placed(sd, pieces, rank):
         if slot.storage not in cover:
             raise KeyError(f"{pc.name!r} is placed in {slot.storage!r}, which rank {rank} lacks")
         slot.view(cover[slot.storage], box.sizes).add_(1)
