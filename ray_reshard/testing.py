@@ -5,7 +5,6 @@ import atexit
 import contextlib
 
 import ray
-import torch
 from ray.cluster_utils import Cluster
 
 

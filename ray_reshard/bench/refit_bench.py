@@ -8,7 +8,6 @@ measured side by side in one run; nothing here is asserted.
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 

@@ -104,7 +104,6 @@ def main(refits: int = 300, every: int = 25, mb: float = 4.0, bucket_kb: int = 2
 
     import ray_reshard as rr
     from ray_reshard.core.placement import Replicate, Shard
-    from ray_reshard.runtime import group as group_mod
 
     with local_cluster(2):
         @ray.remote(num_cpus=0)

@@ -4,12 +4,11 @@ Shared by the in-process simulator and the actor runtime, so both move bytes the
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional
 
 import torch
 
 from .plan import Item, Plan, Transfer
-from .planner import Endpoint
 
 # (side, rank, tensor index) -> the rank's view of its shard of that tensor
 ShardLookup = Callable[[str, int, int], torch.Tensor]

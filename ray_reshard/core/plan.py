@@ -4,7 +4,7 @@ from __future__ import annotations
 import gc
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Iterable, Mapping, Optional, Sequence
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Hashable, Mapping, Optional, Sequence
+from typing import Any, Hashable, Mapping, Sequence
 
 import numpy as np
 
 from .box import Box
 from .layout import Layout, _boxes
 from .mesh import Mesh
-from .spec import TensorSpec
 
 LOCAL, DOMAIN, NETWORK = "local", "domain", "network"
 PATHS = (LOCAL, DOMAIN, NETWORK)

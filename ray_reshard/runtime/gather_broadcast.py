@@ -7,7 +7,6 @@ destination rank that holds any of the tensor. Every destination materialises wh
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -102,15 +101,12 @@ def execute(wg, prog, views: dict, deadline: float) -> dict:
 def _all_gather(wg, plan: Plan, step: Step, views: dict, deadline: float) -> torch.Tensor:
     """Every gather member ends with the step's whole tensors (destination dtype), flat."""
     me = step.gather.index(wg.pid)
+    # An actor appears at most once per side: its process rank names its source rank.
+    src_rank = {p: ep.rank for ep, p in wg.ep_pid.items() if ep.side == "src"}
     chunks = []          # per tensor: (max shard bytes, boxes by member)
     for ti in step.tensors:
         spec = plan.specs[ti]
-        boxes = []
-        for p in step.gather:
-            r = next(ep.rank for ep, q in wg.ep_pid.items()
-                     if q == p and ep.side == "src" and spec.src.box(ep.rank, spec.shape) is not None
-                     and not spec.src.box(ep.rank, spec.shape).empty)
-            boxes.append((r, spec.src.box(r, spec.shape)))
+        boxes = [(src_rank[p], spec.src.box(src_rank[p], spec.shape)) for p in step.gather]
         chunks.append((_aligned(max(b.numel for _, b in boxes) * spec.itemsize), boxes))
     width = sum(c[0] for c in chunks)
     mine = torch.zeros(width, dtype=torch.uint8, device=wg.device)

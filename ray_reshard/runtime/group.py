@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 
 from ..core.plan import DEFAULT_BUCKET_BYTES, Plan, PlanStats, plan as make_plan
-from ..core.planner import LOCAL, NETWORK, Endpoint
+from ..core.planner import NETWORK, Endpoint
 from ..core.spec import TensorSpec
 from ..errors import RefitError, TransportError
 from . import worker
@@ -202,14 +202,20 @@ class ReshardGroup:
     # ---------------------------------------------------------------- planning
     def plan(self, specs: Mapping[str, TensorSpec]) -> Plan:
         """The plan for `specs` on this group's topology (computed once per spec set)."""
-        key = hash(tuple(specs.items()))
-        hit = self._plans.get(key)
-        if hit is not None and hit[0] == tuple(specs.items()):
-            return hit[1]
+        return self._cached_plan(specs)[1]
+
+    def _cached_plan(self, specs: Mapping[str, TensorSpec]) -> tuple[str, Plan, bool]:
+        """(program key, plan, whether it was planned now); the spec set is hashed once."""
+        items = tuple(specs.items())
+        h = hash(items)
+        key = f"{h & 0xFFFFFFFFFFFF:x}"
+        hit = self._plans.get(h)
+        if hit is not None and hit[0] == items:
+            return key, hit[1], False
         p = make_plan(specs, self.src_domains, self.dst_domains, src_devices=self.src_devices,
                       dst_devices=self.dst_devices)
-        self._plans[key] = (tuple(specs.items()), p)
-        return p
+        self._plans[h] = (items, p)
+        return key, p, True
 
     def _install(self, key, p: Plan, timeout: Optional[float] = None) -> None:
         if key in self._installed:
@@ -288,9 +294,7 @@ class ReshardGroup:
             raise TypeError(f"specs must be a mapping of name -> TensorSpec, got "
                             f"{type(specs).__name__}")
         _check_timeout(timeout_s)
-        planned = not any(hash(tuple(specs.items())) == k for k in self._plans)
-        p = self.plan(specs)
-        key = f"{hash(tuple(specs.items())) & 0xFFFFFFFFFFFF:x}"
+        key, p, planned = self._cached_plan(specs)
         # One deadline for the whole refit: installing programs (first refit of a spec set),
         # checking local tensors, and running. A dead or stuck rank fails it in time, named.
         timeout = timeout_s or self.timeout_s or default_timeout_s(p.stats.total_bytes)

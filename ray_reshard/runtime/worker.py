@@ -13,10 +13,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..core.pack import copy_direct, pack, region, shard_view, unpack
+from ..core.pack import copy_direct, pack, region, unpack
 from ..core.plan import Plan, Transfer, parent_key
 from ..core.planner import NETWORK, Endpoint
-from ..errors import TransportError, TransportTimeout
 from .transport import torch_pg
 
 _GROUPS: dict[str, "_WorkerGroup"] = {}

@@ -157,12 +157,6 @@ class TorchNCCLGroup(TorchPGGroup):
         opts._timeout = self._timeout
         return dist.ProcessGroupNCCL(store, rank, size, opts)
 
-    def isend(self, tensor, peer):
-        return self.pg.send([tensor], peer, 0)
-
-    def irecv(self, tensor, peer):
-        return self.pg.recv([tensor], peer, 0)
-
 
 def ensure_registered() -> None:
     """Register our backends in this process (driver and each actor must do it)."""
