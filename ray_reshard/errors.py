@@ -16,3 +16,7 @@ class TransportError(RuntimeError):
 
 class TransportTimeout(TransportError, TimeoutError):
     """A transfer did not complete before its deadline."""
+
+
+class GroupStateLost(RuntimeError):
+    """An actor has no state for a group it belongs to (it restarted, or left the group)."""

@@ -78,6 +78,12 @@ class TensorSpec:
             raise TypeError(f"dtype must be a torch.dtype, got {self.dtype!r}")
         if self.src_dtype is not None and not isinstance(self.src_dtype, torch.dtype):
             raise TypeError(f"src_dtype must be a torch.dtype, got {self.src_dtype!r}")
+        if not _copyable(self.source_dtype, self.dtype):
+            what = (f"from {self.source_dtype} to {self.dtype}" if self.source_dtype != self.dtype
+                    else f"of {self.dtype}")
+            raise ValueError(f"torch cannot copy tensors {what} (no copy kernel), so no refit "
+                             f"can move them; use a dtype torch converts (e.g. convert on the "
+                             f"trainer first)")
         for side in ("src", "dst"):
             if not isinstance(getattr(self, side), Layout):
                 raise TypeError(f"{side} must be a Layout, got {type(getattr(self, side)).__name__}")
@@ -133,6 +139,20 @@ class TensorSpec:
 
 
 _ITEMSIZE: dict = {}
+_COPYABLE: dict = {}
+
+
+def _copyable(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether torch copies (and converts) `src` elements into `dst` tensors."""
+    ok = _COPYABLE.get((src, dst))
+    if ok is None:
+        try:
+            torch.empty(2, dtype=dst).copy_(torch.empty(2, dtype=src))
+            ok = True
+        except Exception:
+            ok = False
+        _COPYABLE[(src, dst)] = ok
+    return ok
 
 
 def _itemsize(dtype: torch.dtype) -> int:

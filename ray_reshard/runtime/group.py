@@ -1,13 +1,17 @@
 """ReshardGroup: the driver side of a refit between two lists of Ray actors."""
 from __future__ import annotations
 
+import itertools
+import threading
 import time
 import uuid
+import warnings
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from ..core.plan import DEFAULT_BUCKET_BYTES, Plan, PlanStats, plan as make_plan
 from ..core.planner import NETWORK, Endpoint
@@ -17,6 +21,11 @@ from . import worker
 from .transport import torch_pg
 
 STRATEGIES = ("reshard", "gather_broadcast")
+# Largest bucket a group accepts: staging buffers are allocated whole, and transports handle
+# messages below 2 GiB best (32-bit byte counts in some of them).
+MAX_BUCKET_BYTES = 1 << 30
+# Spec sets whose plans and programs a group keeps (least recently used beyond that go).
+DEFAULT_MAX_PROGRAMS = 8
 
 
 @dataclass
@@ -29,10 +38,13 @@ class RefitResult:
     bytes_by_path: dict            # bytes moved: network / domain / local
     network_gbps: float            # network bytes / seconds
     peak_staging_bytes: int        # the largest staging memory any rank held
-    extra_bytes: int               # the largest atomic/snapshot copy any rank held
+    extra_bytes: int               # the largest atomic/snapshot/aliasing copy any rank held
     plan_stats: PlanStats
     planned: bool                  # False when the plan came from the cache
     per_process: list = field(default_factory=list)
+    # Things that did not stop the refit but need attention (e.g. a source process that died
+    # after its data moved: the group needs update() before the next refit).
+    warnings: list = field(default_factory=list)
 
     def summary(self) -> str:
         b = self.bytes_by_path
@@ -55,6 +67,9 @@ class ReshardGroup:
     Library code runs inside the actors through `actor.__ray_call__`. Each actor's tensors come
     from `tensors(actor) -> {name: tensor}` or, by default, its `reshard_tensors()` method, and
     are looked up anew at every refit. The same actor may appear on both sides (colocated).
+
+    Plans and installed programs are kept for the `max_programs` spec sets used most recently.
+    Calls on one group are serialised (a refit from another thread waits for the running one).
     """
 
     def __init__(self, src_actors: Sequence[Any], dst_actors: Sequence[Any], *,
@@ -62,15 +77,27 @@ class ReshardGroup:
                  strategy: str = "reshard", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  timeout_s: Optional[float] = None, setup_timeout_s: float = 120.0,
                  src_domains: Optional[Sequence[Any]] = None,
-                 dst_domains: Optional[Sequence[Any]] = None):
+                 dst_domains: Optional[Sequence[Any]] = None,
+                 max_programs: int = DEFAULT_MAX_PROGRAMS):
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
-        if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or \
+                not 0 < bucket_bytes <= MAX_BUCKET_BYTES:
+            raise ValueError(f"bucket_bytes must be an int in 1..{MAX_BUCKET_BYTES} "
+                             f"({MAX_BUCKET_BYTES >> 20} MiB), got {bucket_bytes!r}")
+        if not isinstance(max_programs, int) or isinstance(max_programs, bool) or max_programs < 1:
+            raise ValueError(f"max_programs must be a positive int, got {max_programs!r}")
         _check_timeout(timeout_s)
+        if not ray.is_initialized():
+            raise RuntimeError("Ray is not initialized: call ray.init() before building a "
+                               "ReshardGroup")
+        self._ray_session = _session()[0]
         self.strategy, self.bucket_bytes, self.timeout_s = strategy, bucket_bytes, timeout_s
+        self.max_programs = max_programs
+        self._lock = threading.RLock()      # one refit / update / close at a time
+        self._program_ids = itertools.count()
         self.setup_timeout_s = setup_timeout_s
         self._tensors_fn = tensors
         self._backend_arg = backend
@@ -107,8 +134,10 @@ class ReshardGroup:
         self.group_id = uuid.uuid4().hex
         self._broken: Optional[str] = None
         self._hung: set = set()         # processes that missed a deadline (maybe still busy)
-        self._plans: dict = {}
+        # spec items -> (program id, plan, its ring pairs); least recently used first
+        self._plans: OrderedDict = OrderedDict()
         self._installed: set = set()
+        self._ring_users: dict = {}     # ring pair -> program ids whose schedule uses it
         self._rings: dict = {}          # (sender pid, receiver pid) -> (ring name, slot bytes)
         self._procs, self._ep_pid, pid_of = [], {}, {}
         for side, actors in (("src", src_actors), ("dst", dst_actors)):
@@ -132,7 +161,8 @@ class ReshardGroup:
         probes = self._collect([a.__ray_call__.remote(worker.probe) for a in self._procs],
                                self.setup_timeout_s, "setup")
         for a, info in zip(self._procs, probes):
-            self._infos.setdefault(_actor_key(a), info)
+            # Always the fresh answer: an actor Ray restarted may now run on another node.
+            self._infos[_actor_key(a)] = info
         infos = [self._infos[_actor_key(a)] for a in self._procs]
         nodes = list(dict.fromkeys(i["node_id"] for i in infos))
         self._helpers = _node_helpers(nodes, self.setup_timeout_s)
@@ -181,45 +211,71 @@ class ReshardGroup:
                dst_actors: Optional[Sequence[Any]] = None) -> float:
         """Change membership between refits (replace, add or remove actors); returns seconds.
 
-        Works after a failed refit too. What is kept: node helpers, where each known actor runs
-        (every member answers a probe first: a dead one fails the update at once, as a RefitError
-        naming it), and the planner's per-signature cache. What is rebuilt:
-        the collective group (torch process groups cannot shrink or grow) and the programs.
+        Works after a failed refit too, and for actors Ray restarted (same handles). What is
+        kept: node helpers and the planner's per-signature cache. Every member answers a probe
+        first (a dead one fails the update at once, as a RefitError naming it; one that Ray
+        restarted elsewhere is found where it runs now). What is rebuilt: the collective group
+        (torch process groups cannot shrink or grow) and the programs.
         """
-        if self._closed:
-            raise RuntimeError("this ReshardGroup is closed")
-        t0 = time.perf_counter()
-        # Each actor runs its calls in order: the old group's teardown is queued before the
-        # new set-up, so there is no need to wait for it.
-        self._leave(wait=False)
-        self._bind(self.src_actors if src_actors is None else src_actors,
-                   self.dst_actors if dst_actors is None else dst_actors)
-        live = {_actor_key(a) for a in self._procs}
-        self._infos = {k: v for k, v in self._infos.items() if k in live}
-        self._setup()
-        return time.perf_counter() - t0
+        with self._lock:
+            self._check_usable()
+            t0 = time.perf_counter()
+            # Each actor runs its calls in order: the old group's teardown is queued before the
+            # new set-up, so there is no need to wait for it.
+            self._leave(wait=False)
+            self._bind(self.src_actors if src_actors is None else src_actors,
+                       self.dst_actors if dst_actors is None else dst_actors)
+            live = {_actor_key(a) for a in self._procs}
+            self._infos = {k: v for k, v in self._infos.items() if k in live}
+            self._setup()
+            return time.perf_counter() - t0
 
     # ---------------------------------------------------------------- planning
     def plan(self, specs: Mapping[str, TensorSpec]) -> Plan:
         """The plan for `specs` on this group's topology (computed once per spec set)."""
-        return self._cached_plan(specs)[1]
+        with self._lock:
+            return self._cached_plan(specs)[1]
 
-    def _cached_plan(self, specs: Mapping[str, TensorSpec]) -> tuple[str, Plan, bool]:
-        """(program key, plan, whether it was planned now); the spec set is hashed once."""
+    def _cached_plan(self, specs: Mapping[str, TensorSpec]) -> tuple[int, Plan, bool]:
+        """(program id, plan, whether it was planned now). Spec sets are compared whole, so
+        two different sets never share a program; the least recently used beyond
+        `max_programs` are evicted, in the actors too."""
         items = tuple(specs.items())
-        h = hash(items)
-        key = f"{h & 0xFFFFFFFFFFFF:x}"
-        hit = self._plans.get(h)
-        if hit is not None and hit[0] == items:
-            return key, hit[1], False
+        hit = self._plans.get(items)
+        if hit is not None:
+            self._plans.move_to_end(items)
+            return hit[0], hit[1], False
         p = make_plan(specs, self.src_domains, self.dst_domains, src_devices=self.src_devices,
                       dst_devices=self.dst_devices)
-        self._plans[h] = (items, p)
-        return key, p, True
+        _check_bucket(p, self.bucket_bytes)
+        self._plans[items] = (next(self._program_ids), p)
+        while len(self._plans) > self.max_programs:
+            self._evict(self._plans.popitem(last=False)[1][0])
+        return self._plans[items][0], p, True
+
+    def _evict(self, key: int) -> None:
+        """Drop an evicted program in every actor, and the rings only it used."""
+        if key not in self._installed:
+            return
+        self._installed.discard(key)
+        unused = []
+        for pair, users in list(self._ring_users.items()):
+            users.discard(key)
+            if not users:
+                unused.append(pair)
+                del self._ring_users[pair]
+                self._rings.pop(pair, None)
+        per_proc: dict = {p: [] for p in range(len(self._procs))}
+        for s, d in unused:
+            per_proc[s].append((d, True))
+            per_proc[d].append((s, False))
+        for p, a in enumerate(self._procs):       # ordered before any later call to the actor
+            a.__ray_call__.remote(worker.uninstall, self.group_id, [key], per_proc[p])
 
     def _install(self, key, p: Plan, timeout: Optional[float] = None) -> None:
         if key in self._installed:
             return
+        deadline = time.monotonic() + (timeout or self.setup_timeout_s)
         sched = p.schedule(self.bucket_bytes)
         programs = {pid: [] for pid in range(len(self._procs))}
         pairs: dict = {}                # (sender, receiver) on one node -> largest bucket
@@ -231,17 +287,20 @@ class ReshardGroup:
                 if t.path != NETWORK and self.proc_nodes[s] == self.proc_nodes[d]:
                     pairs[(s, d)] = max(pairs.get((s, d), 0), t.nbytes)
         if self.strategy == "reshard":
-            self._ensure_rings(pairs, timeout)
+            self._ensure_rings(pairs, deadline)
+            for pair in pairs:
+                self._ring_users.setdefault(pair, set()).add(key)
         plan_ref = ray.put(p)
         refs = [a.__ray_call__.remote(worker.install, self.group_id, key, plan_ref,
                                       programs[pid], self.strategy)
                 for pid, a in enumerate(self._procs)]
-        self._collect(refs, timeout or self.setup_timeout_s, "install")
+        self._collect(refs, max(deadline - time.monotonic(), 0.0), "install")
         self._installed.add(key)
 
-    def _ensure_rings(self, pairs: dict, timeout: Optional[float] = None) -> None:
+    def _ensure_rings(self, pairs: dict, deadline: float) -> None:
         """Rings for intra-node pairs, slots sized to the pair's largest bucket (a pair that a
-        later plan sends more gets a new, larger ring)."""
+        later plan sends more gets a new, larger ring). Node helpers must answer within the
+        deadline: one that does not fails the refit as a RefitError naming its node."""
         missing = sorted(k for k, n in pairs.items() if self._rings.get(k, ("", 0))[1] < n)
         if not missing:
             return
@@ -250,8 +309,8 @@ class ReshardGroup:
             by_size.setdefault((self.proc_nodes[s], pairs[(s, d)]), []).append((s, d))
         for (node, size), ps in by_size.items():
             def create():
-                return ray.get(self._helpers[node].create_rings.remote(
-                    self.group_id, len(ps), size, 2, gpu=self._gpu), timeout=self.setup_timeout_s)
+                return self._helper_call(node, deadline, "create_rings", self.group_id, len(ps),
+                                         size, 2, gpu=self._gpu)
             try:
                 names = create()
             except RayActorError:      # the helper died since set-up (a user's ray.kill): replace it
@@ -267,10 +326,23 @@ class ReshardGroup:
         pids = sorted(set(out) | set(inn))
         self._collect([self._procs[p].__ray_call__.remote(worker.attach_rings, self.group_id,
                                                           out.get(p, {}), inn.get(p, {}), self._gpu)
-                       for p in pids], timeout or self.setup_timeout_s, "attach", pids)
+                       for p in pids], max(deadline - time.monotonic(), 0.0), "attach", pids)
         # Every end is mapped: drop the names so no segment can outlive its processes.
-        ray.get([self._helpers[n].seal.remote(self.group_id) for n in by_node],
-                timeout=self.setup_timeout_s)
+        for n in by_node:
+            self._helper_call(n, deadline, "seal", self.group_id)
+
+    def _helper_call(self, node, deadline: float, method: str, *args, **kwargs):
+        """Call a node helper, bounded by `deadline`; a stuck helper is a RefitError."""
+        ref = getattr(self._helpers[node], method).remote(*args, **kwargs)
+        left = max(deadline - time.monotonic(), 0.0)
+        try:
+            return ray.get(ref, timeout=left)
+        except GetTimeoutError:
+            ray.cancel(ref, force=False)
+            self._broken = f"the node helper on node {node[:12]} did not answer {method}"
+            raise RefitError(f"refit failed in set-up: the node helper on node {node[:12]} did "
+                             f"not answer {method}() within {left:.1f} s (stopped or overloaded)"
+                             ) from None
 
     # ---------------------------------------------------------------- refit
     def refit(self, specs: Mapping[str, TensorSpec], *, atomic: bool = False,
@@ -281,12 +353,19 @@ class ReshardGroup:
         may leave them mixed (some tensors new, some old); `version` does not advance. With
         atomic=True destinations receive into staging copies of their shards (extra memory = the
         size of each destination's shards, reported as `extra_bytes`) and commit only once every
-        rank has received everything: a failed refit leaves every destination as it was.
+        rank has received everything: a failed refit, including one whose destination fails
+        while committing, leaves every surviving destination as it was.
         Sources are read while the refit runs: no optimizer step may touch them until refit
         returns, or pass snapshot=True to copy them first (extra memory = source shards).
+        Colocated refits (an actor on both sides whose source and destination tensors share
+        memory) copy the shared source shards first (reported in `extra_bytes`).
+        Refits on one group run one at a time: a call from another thread waits its turn.
         """
-        if self._closed:
-            raise RuntimeError("this ReshardGroup is closed")
+        with self._lock:
+            return self._refit(specs, atomic, snapshot, timeout_s)
+
+    def _refit(self, specs, atomic, snapshot, timeout_s) -> RefitResult:
+        self._check_usable()
         if self._broken:
             raise RefitError(f"this ReshardGroup failed earlier ({self._broken}); call update() "
                              f"(same or replacement actors) or build a new one")
@@ -318,12 +397,8 @@ class ReshardGroup:
             for a in self._procs:
                 a.__ray_call__.remote(worker.discard, self.group_id)
             raise
-        # Every rank has everything: commit (atomic: write staged shards back) and take the
-        # version. Only now does any rank report the new version.
-        self._collect([a.__ray_call__.remote(worker.commit, self.group_id, version)
-                       for a in self._procs], timeout)
+        result_warnings = self._commit(version, timeout)
         seconds = time.perf_counter() - t0
-        self._version = version
         moved = {"network": 0, "domain": 0, "local": 0}
         for st in per:
             for k, v in st["bytes_by_path"].items():
@@ -331,7 +406,58 @@ class ReshardGroup:
         return RefitResult(version, seconds, self.strategy, moved,
                            moved["network"] / seconds / 1e9 if seconds > 0 else 0.0,
                            max(st["peak_staging_bytes"] for st in per),
-                           max(st["extra_bytes"] for st in per), p.stats, planned, per)
+                           max(st["extra_bytes"] for st in per), p.stats, planned, per,
+                           result_warnings)
+
+    def _commit(self, version: int, timeout: float) -> list:
+        """Every rank has everything: make `version` every process's, one truth for all.
+
+        What matters is the destinations: when every process holding a destination commits,
+        the refit is done and the group's version advances (a source-only process that died
+        after its data moved only needs update() before the next refit: a warning). When a
+        destination fails here, the others roll back (atomic: old weights back) and the group
+        keeps its version.
+        """
+        dst_procs = {self._ep_pid[Endpoint("dst", j)] for j in range(len(self.dst_actors))}
+        refs = [a.__ray_call__.remote(worker.commit, self.group_id, version)
+                for a in self._procs]
+        grace = 5.0
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout + grace)
+        ready = set(ready)
+        failed, texts = [], []
+        for proc, r in enumerate(refs):
+            if r not in ready:
+                failed.append(proc)
+                self._hung.add(proc)
+                texts.append(f"process {proc} did not finish within {timeout:.1f} s (commit)")
+                continue
+            try:
+                ray.get(r)
+            except (RayActorError, RayTaskError) as e:
+                failed.append(proc)
+                texts.append(_describe(proc, e))
+        bad_dst = [p for p in failed if p in dst_procs]
+        if bad_dst:
+            survivors = [p for p in range(len(self._procs)) if p not in failed]
+            ray.wait([self._procs[p].__ray_call__.remote(worker.rollback, self.group_id)
+                      for p in survivors], num_returns=len(survivors), timeout=timeout + grace)
+            self._broken = "; ".join(texts)
+            ranks = self._ranks_of(failed)
+            raise RefitError(f"refit failed in commit on "
+                             f"{', '.join(f'{s} rank {r}' for s, r in ranks)}: {'; '.join(texts)}"
+                             f"; every other process rolled back to v{self._version}", ranks)
+        for p in range(len(self._procs)):
+            if p not in failed:
+                self._procs[p].__ray_call__.remote(worker.release, self.group_id)
+        self._version = version
+        if not failed:
+            return []
+        self._broken = "; ".join(texts)
+        note = (f"refit v{version} is complete on every destination, but "
+                f"{', '.join(f'{s} rank {r}' for s, r in self._ranks_of(failed))} failed after "
+                f"its data moved ({'; '.join(texts)}): call update() before the next refit")
+        warnings.warn(note, RuntimeWarning, stacklevel=4)
+        return [note]
 
     def _collect(self, refs, timeout: float, phase: str = "run", pids=None) -> list:
         """Results of one call per process (`pids[i]` made `refs[i]`; default: all, in order).
@@ -352,11 +478,10 @@ class ReshardGroup:
                 results[i] = ray.get(r)
             except RayActorError as e:
                 failed.append(pids[i])
-                messages.append(f"process {pids[i]} died ({type(e).__name__})")
+                messages.append(_describe(pids[i], e))
             except RayTaskError as e:
                 cause = e.cause if getattr(e, "cause", None) is not None else e
-                text = f"process {pids[i]}: {type(cause).__name__}: " \
-                       f"{(str(cause).splitlines() or [''])[0]}"
+                text = _describe(pids[i], e)
                 if isinstance(cause, TransportError):
                     waiting.append(pids[i])
                     waiting_msgs.append(text)
@@ -383,6 +508,18 @@ class ReshardGroup:
         raise RefitError(f"refit failed in {phase} on "
                          f"{', '.join(f'{s} rank {r}' for s, r in ranks)}: "
                          + "; ".join(messages), ranks)
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError("this ReshardGroup is closed")
+        if not self._ray_alive():
+            raise RuntimeError("the Ray instance this ReshardGroup was built on is gone "
+                               "(ray.shutdown() or a new ray.init()); build a new ReshardGroup")
+
+    def _ray_alive(self) -> bool:
+        """Whether the driver is still connected to the Ray instance the group was built on
+        (never start or attach to another one by calling into it)."""
+        return ray.is_initialized() and _session()[0] == self._ray_session
 
     def _ranks_of(self, pids):
         return [(ep.side, ep.rank) for ep, p in sorted(self._ep_pid.items(),
@@ -422,12 +559,17 @@ class ReshardGroup:
 
     # ---------------------------------------------------------------- teardown
     def close(self) -> None:
-        """Leave the collective group in every live actor and free this group's segments."""
-        if self._closed:
-            return
-        self._closed = True
-        self._leave()
-        self._helpers = {}
+        """Leave the collective group in every live actor and free this group's segments.
+
+        After ray.shutdown() there is nothing left to free (the actors and helpers went with
+        the Ray instance): close() then only marks the group closed."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._ray_alive():
+                self._leave()
+            self._helpers = {}
 
     def _leave(self, wait: bool = True) -> None:
         if self.group_id is None:
@@ -451,7 +593,7 @@ class ReshardGroup:
 
     def __del__(self):
         try:
-            if not self._closed and ray.is_initialized():
+            if not self._closed:
                 self.close()
         except Exception:
             pass
@@ -490,6 +632,28 @@ def _node_helpers(nodes, timeout: float) -> dict:
             _HELPERS[(session, n)] = h
             have[n] = h
     return {n: have[n] for n in nodes}
+
+
+def _describe(proc: int, e: Exception) -> str:
+    """One process's failure, with the cause's own text (several lines kept: NCCL and torch
+    put the reason after the first line)."""
+    if isinstance(e, RayActorError):
+        return f"process {proc} died ({type(e).__name__})"
+    cause = e.cause if getattr(e, "cause", None) is not None else e
+    lines = [ln for ln in str(cause).splitlines() if ln.strip()][:6]
+    text = " | ".join(lines)
+    if len(text) > 800:
+        text = text[:800] + " ..."
+    return f"process {proc}: {type(cause).__name__}: {text}"
+
+
+def _check_bucket(p: Plan, bucket_bytes: int) -> None:
+    """Every element must fit in a bucket (items are cut on element boundaries)."""
+    widest = max(range(len(p.specs)), key=lambda i: p.specs[i].itemsize)
+    size = p.specs[widest].itemsize
+    if bucket_bytes < size:
+        raise ValueError(f"bucket_bytes={bucket_bytes} is smaller than one element of "
+                         f"{p.names[widest]!r} ({p.specs[widest].dtype}, {size} bytes)")
 
 
 def _check_timeout(timeout_s) -> None:

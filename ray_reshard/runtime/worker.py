@@ -6,6 +6,7 @@ process: the collective group, shared-memory rings to peers on the node, and ins
 """
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -13,12 +14,24 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..core.overlap import overlapping_pairs, overlaps_itself
 from ..core.pack import copy_direct, pack, region, unpack
 from ..core.plan import Plan, Transfer, parent_key
 from ..core.planner import NETWORK, Endpoint
+from ..errors import GroupStateLost
 from .transport import torch_pg
 
 _GROUPS: dict[str, "_WorkerGroup"] = {}
+
+
+def _group(group_id: str) -> "_WorkerGroup":
+    wg = _GROUPS.get(group_id)
+    if wg is None:
+        raise GroupStateLost(
+            f"process {os.getpid()} holds no state for reshard group {group_id[:12]}: the actor "
+            f"restarted (Ray max_restarts) or left the group, and lost its collective group and "
+            f"programs; call ReshardGroup.update() (same or replacement actors) to rebuild them")
+    return wg
 
 
 @dataclass
@@ -46,6 +59,9 @@ class _WorkerGroup:
     programs: dict = field(default_factory=dict)
     version: int = 0
     staged: Any = None                # (version, [(destination view, staged copy)]) until commit
+    # After an atomic commit, until the driver confirms every destination committed: the
+    # version before it and the (destination view, its old contents) pairs to roll back to.
+    undo: Any = None
 
 
 def probe(actor) -> dict:
@@ -80,7 +96,7 @@ def attach_rings(actor, group_id: str, out: dict, inn: dict, gpu: bool = False) 
         from .transport.cuda_ipc import CudaIpcRing as Ring
     else:
         from .transport.shm import ShmRing as Ring
-    wg = _GROUPS[group_id]
+    wg = _group(group_id)
     for rings, names, receiving in ((wg.rings_out, out, False), (wg.rings_in, inn, True)):
         for peer, name in names.items():
             old = rings.get(peer)
@@ -93,9 +109,9 @@ def attach_rings(actor, group_id: str, out: dict, inn: dict, gpu: bool = False) 
                 rings[peer].prepare_recv(wg.device)
 
 
-def install(actor, group_id: str, key: str, plan: Plan, transfers: list, strategy: str) -> None:
+def install(actor, group_id: str, key, plan: Plan, transfers: list, strategy: str) -> None:
     """Cache this process's program for plan `key`."""
-    wg = _GROUPS[group_id]
+    wg = _group(group_id)
     held = []
     for ep in sorted(wg.endpoints, key=lambda e: (e.side, e.rank)):
         for ti, spec in enumerate(plan.specs):
@@ -161,17 +177,36 @@ def _views(actor, wg: _WorkerGroup, prog: _Program) -> tuple[dict, list[str]]:
             errors.append(f"{where}: local shard has shape {tuple(view.shape)}, expected "
                           f"{box.sizes} (global {spec.shape}, box {box})")
             continue
-        if side == "dst" and any(n > 1 and st == 0 for n, st in zip(view.shape, view.stride())):
-            errors.append(f"{where}: local {slot.storage!r} has overlapping memory (stride 0: an "
-                          f"expanded view), so its shard cannot be written")
+        if side == "dst" and overlaps_itself(view):
+            errors.append(f"{where}: its shard in local {slot.storage!r} (shape "
+                          f"{tuple(view.shape)}, strides {tuple(view.stride())}) overlaps itself "
+                          f"(elements share memory), so it cannot be written")
             continue
         views[(side, rank, ti)] = view
+    dst_keys = [k for k in views if k[0] == "dst"]
+    if len(dst_keys) > 1:
+        for i, j in overlapping_pairs([views[k] for k in dst_keys]):
+            (_, ra, ta), (_, rb, tb) = dst_keys[i], dst_keys[j]
+            errors.append(f"{plan.names[ta]!r} and {plan.names[tb]!r} on dst rank {ra}: their "
+                          f"local shards share memory, so one would overwrite the other")
     return views, errors
 
 
-def prepare(actor, group_id: str, key: str) -> list[str]:
+def _aliased_sources(views: dict) -> list:
+    """Keys of source shards that share memory with a destination shard of this process
+    (colocated refits: the same actor on both sides, writing where it reads)."""
+    src_keys = [k for k in views if k[0] == "src"]
+    dst_keys = [k for k in views if k[0] == "dst"]
+    if not src_keys or not dst_keys:
+        return []
+    pairs = overlapping_pairs([views[k] for k in src_keys], [views[k] for k in dst_keys])
+    return sorted({src_keys[i] for i, _ in pairs})
+
+
+@torch.inference_mode()
+def prepare(actor, group_id: str, key) -> list[str]:
     """Check every local tensor this process would read or write; returns problems found."""
-    wg = _GROUPS[group_id]
+    wg = _group(group_id)
     try:
         return _views(actor, wg, wg.programs[key])[1]
     except Exception as e:        # a broken tensors() callable is bad input too
@@ -187,6 +222,7 @@ class _Pool:
     def __init__(self, nbytes: int, device: torch.device):
         self.nbytes, self.device = nbytes, device
         self.free: list[torch.Tensor] = []
+        self.lent: dict = {}          # data_ptr of a lent slice -> its whole buffer
         self.live = 0
         self.peak = 0
 
@@ -195,75 +231,138 @@ class _Pool:
                                                             device=self.device)
         self.live += 1
         self.peak = max(self.peak, self.live)
+        # Not `slice._base`: inference mode (where the executor runs) tracks no view bases.
+        self.lent[buf.data_ptr()] = buf
         return buf[:n]
 
     def put(self, buf: torch.Tensor) -> None:
         self.live -= 1
-        self.free.append(buf._base if buf._base is not None else buf)
+        self.free.append(self.lent.pop(buf.data_ptr()))
 
 
-@torch.no_grad()        # destinations may be parameters that require grad (written in place)
-def run(actor, group_id: str, key: str, timeout_s: float, version: int,
+# Destinations may be parameters that require grad, or inference tensors (engines allocate
+# under torch.inference_mode()): both are written in place under inference mode, where every
+# view we make and write through is made too.
+@torch.inference_mode()
+def run(actor, group_id: str, key, timeout_s: float, version: int,
         atomic: bool = False, snapshot: bool = False) -> dict:
     """Execute this process's program; returns its statistics.
 
     With `atomic`, destination shards are received into staging copies that only `commit`
     writes back, so a refit that fails anywhere leaves the old weights. With `snapshot`,
-    source shards are copied first and sent from the copies.
+    source shards are copied first and sent from the copies. Source shards that share memory
+    with this process's destination shards (colocated refits) are copied first in any case
+    (unless `atomic` already keeps destinations apart), so no byte is read after it was
+    overwritten. Any failure here aborts this process's channels, so peers fail at once.
     """
-    wg = _GROUPS[group_id]
-    prog = wg.programs[key]
+    wg = _group(group_id)
     t0 = time.perf_counter()
     deadline = time.monotonic() + timeout_s
     wg.staged = None
-    views, errors = _views(actor, wg, prog)
-    if errors:
-        raise ValueError("; ".join(errors))
-    extra = 0
-    if snapshot:
-        for k, v in views.items():
-            if k[0] == "src":
-                views[k] = v.clone()
-                extra += v.numel() * v.element_size()
-    targets = {}
-    if atomic:
-        for k, v in views.items():
-            if k[0] == "dst":
-                targets[k] = v
-                views[k] = torch.empty_like(v)
-                extra += v.numel() * v.element_size()
+    wg.undo = None
     try:
+        prog = wg.programs[key]
+        views, errors = _views(actor, wg, prog)
+        if errors:
+            raise ValueError("; ".join(errors))
+        extra = aliased_bytes = 0
+        copy_first = [k for k in views if k[0] == "src"] if snapshot else \
+            ([] if atomic else _aliased_sources(views))
+        for k in copy_first:
+            v = views[k]
+            views[k] = v.clone()
+            extra += v.numel() * v.element_size()
+        if not snapshot:
+            aliased_bytes = extra
+        targets = {}
+        if atomic:
+            for k, v in views.items():
+                if k[0] == "dst":
+                    targets[k] = v
+                    views[k] = torch.empty_like(v)
+                    extra += v.numel() * v.element_size()
         if prog.strategy == "gather_broadcast":
             from .gather_broadcast import execute
             stats = execute(wg, prog, views, deadline)
         else:
             stats = _execute(wg, prog, views, deadline)
     except BaseException as e:
-        _abort_channels(wg, str(e))
+        _abort_channels(wg, f"process {wg.pid}: {type(e).__name__}: {e}")
         raise
-    if atomic:
-        wg.staged = (version, [(targets[k], views[k]) for k in targets])
-    else:
-        wg.staged = (version, [])
+    wg.staged = (version, [(targets[k], views[k]) for k in targets] if atomic else [])
     stats["seconds"] = time.perf_counter() - t0
     stats["pid"] = wg.pid
     stats["extra_bytes"] = extra
+    stats["aliased_bytes"] = aliased_bytes
     return stats
 
 
-@torch.no_grad()
+# Atomic commits swap staged and live contents in slices of at most this many bytes, so the
+# old weights stay available for a rollback without a second full copy.
+_SWAP_BYTES = 16 << 20
+
+
+def _swap(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Exchange the contents of two tensors of one shape, in bounded slices."""
+    if a.dim() == 0 or a.numel() == 0:
+        tmp = a.clone()
+        a.copy_(b)
+        b.copy_(tmp)
+        return
+    row = max(1, a[0].numel() * a.element_size())
+    step = max(1, _SWAP_BYTES // row)
+    for i in range(0, a.shape[0], step):
+        x, y = a[i:i + step], b[i:i + step]
+        tmp = x.clone()
+        x.copy_(y)
+        y.copy_(tmp)
+
+
+@torch.inference_mode()
 def commit(actor, group_id: str, version: int) -> int:
-    """Second phase: every rank has everything; write staged shards back and take `version`."""
-    wg = _GROUPS[group_id]
+    """Second phase: every rank has everything; make `version` this process's.
+
+    Atomic refits swap the staged shards into place and keep the old contents until the driver
+    confirms that every destination committed (`release`) or asks for them back (`rollback`).
+    """
+    wg = _group(group_id)
     if wg.staged is None or wg.staged[0] != version:
         raise RuntimeError(f"process {wg.pid} has no completed refit v{version} to commit")
-    for target, staged in wg.staged[1]:
-        target.copy_(staged)
+    pairs = wg.staged[1]
+    for target, staged in pairs:
+        _swap(target, staged)
     if wg.device.type == "cuda":
         torch.cuda.synchronize(wg.device)
+    wg.undo = (wg.version, pairs)
     wg.staged = None
     wg.version = version
     return version
+
+
+def release(actor, group_id: str) -> None:
+    """Every destination committed: drop what a rollback would have needed."""
+    wg = _GROUPS.get(group_id)
+    if wg is not None:
+        wg.undo = None
+
+
+@torch.inference_mode()
+def rollback(actor, group_id: str) -> int:
+    """A destination failed during commit: undo this process's commit (old weights and version
+    back). Returns the version it holds now."""
+    wg = _GROUPS.get(group_id)
+    if wg is None:
+        return -1
+    wg.staged = None
+    if wg.undo is not None:
+        old_version, pairs = wg.undo
+        for target, saved in pairs:
+            _swap(target, saved)
+        if wg.device.type == "cuda":
+            torch.cuda.synchronize(wg.device)
+        wg.version = old_version
+        wg.undo = None
+    return wg.version
 
 
 def discard(actor, group_id: str) -> None:
@@ -271,6 +370,21 @@ def discard(actor, group_id: str) -> None:
     wg = _GROUPS.get(group_id)
     if wg is not None:
         wg.staged = None
+        wg.undo = None
+
+
+def uninstall(actor, group_id: str, keys: list, rings: list = ()) -> None:
+    """Forget programs evicted from the driver's cache, and close rings only they used
+    (`rings`: (peer process, this end sends) pairs)."""
+    wg = _GROUPS.get(group_id)
+    if wg is None:
+        return
+    for k in keys:
+        wg.programs.pop(k, None)
+    for peer, sending in rings:
+        ring = (wg.rings_out if sending else wg.rings_in).pop(peer, None)
+        if ring is not None:
+            ring.close()
 
 
 # Network buckets whose items are all at least this large travel as one message per item:
@@ -424,7 +538,7 @@ def _abort_channels(wg: _WorkerGroup, reason: str) -> None:
 
 
 def version(actor, group_id: str) -> int:
-    return _GROUPS[group_id].version
+    return _group(group_id).version
 
 
 def teardown(actor, group_id: str) -> None:
@@ -450,7 +564,7 @@ def raw_transfer(actor, group_id: str, sends: dict, recvs: dict, nbytes: int,
     """Send `nbytes` to each peer in `sends` and receive as much from each in `recvs` over the
     network transport, in bucket-sized messages with the executor's window; returns seconds.
     A baseline for the refit's achieved bandwidth (no packing, no planning)."""
-    wg = _GROUPS[group_id]
+    wg = _group(group_id)
     deadline = time.monotonic() + timeout_s
     buf = torch.zeros(min(nbytes, wg.bucket_bytes), dtype=torch.uint8, device=wg.device)
     rbufs = [torch.empty_like(buf) for _ in range(2)]

@@ -272,11 +272,13 @@ def _groups_in(actors_):
 
 
 @pytest.mark.parametrize("kw, match", [
-    ({"bucket_bytes": 0}, r"bucket_bytes must be a positive int, got 0"),
-    ({"bucket_bytes": -4096}, r"bucket_bytes must be a positive int, got -4096"),
-    ({"bucket_bytes": 1.5e6}, r"bucket_bytes must be a positive int, got 1500000.0"),
-    ({"bucket_bytes": "1MB"}, r"bucket_bytes must be a positive int, got '1MB'"),
-    ({"bucket_bytes": True}, r"bucket_bytes must be a positive int, got True"),
+    ({"bucket_bytes": 0}, r"bucket_bytes must be an int in 1..1073741824 \(1024 MiB\), got 0"),
+    ({"bucket_bytes": -4096}, r"bucket_bytes must be an int in 1..1073741824 \(1024 MiB\), got -4096"),
+    ({"bucket_bytes": 1.5e6}, r"bucket_bytes must be an int in 1..1073741824 \(1024 MiB\), got 1500000.0"),
+    ({"bucket_bytes": "1MB"}, r"bucket_bytes must be an int in 1..1073741824 \(1024 MiB\), got '1MB'"),
+    ({"bucket_bytes": True}, r"bucket_bytes must be an int in 1..1073741824 \(1024 MiB\), got True"),
+    ({"bucket_bytes": 2 ** 40}, r"bucket_bytes must be an int in 1..1073741824 \(1024 MiB\), got 1099511627776"),
+    ({"max_programs": 0}, r"max_programs must be a positive int, got 0"),
     ({"strategy": "ring"}, r"strategy must be one of \('reshard', 'gather_broadcast'\), got 'ring'"),
     ({"backend": "mpi"}, r"backend must be 'auto', 'gloo' or 'nccl', got 'mpi'"),
     ({"backend": "nccl"}, r"backend='nccl' needs every actor on a GPU; processes \[0, 1, 2, 3\] have none"),
@@ -379,5 +381,27 @@ def test_destination_with_overlapping_memory(group, src, dst):
     load(src, dst)
     set_on(dst[0], "w", lambda: torch.zeros(8, 1).expand(8, 4))
     refused(group, src, dst, good_specs(),
-            r"'w' on dst rank 0: local 'w' has overlapping memory")
+            r"'w' on dst rank 0: its shard in local 'w' \(shape \(8, 4\), strides \(1, 0\)\) "
+            r"overlaps itself")
+    still_works(group, src, dst)
+
+
+@pytest.mark.parametrize("strides", [(1, 1), (2, 1), (3, 1)])
+def test_destination_overlapping_itself_through_strides(group, src, dst, strides):
+    """Strides that make elements share memory without any stride 0 (as_strided): refused."""
+    load(src, dst)
+    set_on(dst[0], "w", lambda: torch.zeros(64).as_strided((8, 4), strides))
+    refused(group, src, dst, good_specs(),
+            r"'w' on dst rank 0: its shard in local 'w' .* overlaps itself")
+    still_works(group, src, dst)
+
+
+def test_destination_strided_without_overlap_is_written(group, src, dst):
+    """as_strided with gaps but no shared element: accepted and written bit-exactly."""
+    load(src, dst)
+    set_on(dst[0], "w", lambda: torch.zeros(64).as_strided((8, 4), (7, 1)))
+    group.refit(good_specs())
+    got = ray.get(dst[0].get.remote())["w"]
+    assert got.stride() == (7, 1)
+    assert torch.equal(got, rr.shard_tensor(FULL["w"], good_specs()["w"].dst, 0))
     still_works(group, src, dst)
