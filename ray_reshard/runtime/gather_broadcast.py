@@ -51,6 +51,8 @@ def build_steps(plan: Plan, ep_pid: dict, pid: int, bucket_bytes: int) -> list[S
     """Steps in one order shared by every process (each runs the steps it belongs to)."""
     steps, cur, cur_key, cur_bytes = [], [], None, 0
     for ti, spec in enumerate(plan.specs):
+        if spec.numel == 0:           # nothing to gather or send
+            continue
         key = _groups(plan, ti, ep_pid)
         if cur and (key != cur_key or cur_bytes + _aligned(spec.nbytes) > bucket_bytes):
             steps.append(Step(tuple(cur), cur_key[0], cur_key[1], cur_bytes))

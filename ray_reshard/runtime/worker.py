@@ -537,6 +537,16 @@ def _abort_channels(wg: _WorkerGroup, reason: str) -> None:
         pass
 
 
+def held_resources(actor, group_id: str) -> dict:
+    """What this process holds for a group: installed programs and mapped rings by peer."""
+    wg = _GROUPS.get(group_id)
+    if wg is None:
+        return {"member": False, "programs": 0, "rings_out": {}, "rings_in": {}}
+    return {"member": True, "programs": len(wg.programs),
+            "rings_out": {p: r.name for p, r in wg.rings_out.items()},
+            "rings_in": {p: r.name for p, r in wg.rings_in.items()}}
+
+
 def version(actor, group_id: str) -> int:
     return _group(group_id).version
 
