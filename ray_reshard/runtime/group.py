@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
 from ..core.plan import DEFAULT_BUCKET_BYTES, Plan, PlanStats, plan as make_plan
 from ..core.planner import NETWORK, Endpoint
@@ -555,6 +555,7 @@ class ReshardGroup:
 
     def versions(self) -> list[int]:
         """The version each process reports holding."""
+        self._check_usable()
         return self._call_all(worker.version, self.group_id)
 
     # ---------------------------------------------------------------- teardown
@@ -637,6 +638,9 @@ def _node_helpers(nodes, timeout: float) -> dict:
 def _describe(proc: int, e: Exception) -> str:
     """One process's failure, with the cause's own text (several lines kept: NCCL and torch
     put the reason after the first line)."""
+    if isinstance(e, ActorUnavailableError):
+        return (f"process {proc} is unavailable (Ray is restarting it, or cannot reach it); "
+                f"a restarted actor loses its group state: call update()")
     if isinstance(e, RayActorError):
         return f"process {proc} died ({type(e).__name__})"
     cause = e.cause if getattr(e, "cause", None) is not None else e

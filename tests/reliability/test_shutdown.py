@@ -1,0 +1,33 @@
+"""A group outliving its Ray instance: close() and garbage collection raise nothing, and
+nothing reconnects the driver to a new Ray instance behind the user's back."""
+import gc
+
+import pytest
+import ray
+import torch
+
+import ray_reshard as rr
+from ray_reshard.testing import holders
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_close_and_gc_after_ray_shutdown(cluster):
+    src, dst = holders(1, 0), holders(1, 1)
+    lay = rr.Layout(rr.Mesh([0]), (rr.Replicate(),))
+    specs = {"w": rr.TensorSpec((4,), torch.float32, lay, lay)}
+    ray.get([src[0].set.remote({"w": torch.ones(4)}), dst[0].set.remote({"w": torch.zeros(4)})])
+    closed = rr.ReshardGroup(src, dst, timeout_s=20)
+    dropped = rr.ReshardGroup(src, dst, timeout_s=20)
+    used = rr.ReshardGroup(src, dst, timeout_s=20)
+    assert used.refit(specs).version == 1
+    ray.shutdown()
+    closed.close()
+    closed.close()
+    del dropped
+    gc.collect()
+    with pytest.raises(RuntimeError, match=r"Ray instance this ReshardGroup was built on is gone"):
+        used.refit(specs)
+    with pytest.raises(RuntimeError, match=r"Ray instance this ReshardGroup was built on is gone"):
+        used.update()
+    assert not ray.is_initialized()
