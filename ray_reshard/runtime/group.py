@@ -464,10 +464,20 @@ class ReshardGroup:
 
         Waits `timeout` plus a grace period; a process that died, raised or did not answer in
         time fails the refit: RefitError naming its ranks, and the group is marked broken.
+        Once one process failed, the others get `SETTLE_S` to report (a failing process aborts
+        its channels, which wakes its peers at once); any still busy then count as hung.
         """
         pids = list(range(len(refs))) if pids is None else list(pids)
         grace = 5.0
-        ready, not_ready = ray.wait(refs, num_returns=len(refs), timeout=timeout + grace)
+        t_end = time.monotonic() + timeout + grace
+        not_ready = list(refs)
+        while not_ready:
+            left = t_end - time.monotonic()
+            if left <= 0:
+                break
+            ready, not_ready = ray.wait(not_ready, num_returns=1, timeout=left)
+            if ready and _failed(ready[0]):
+                t_end = min(t_end, time.monotonic() + SETTLE_S)
         not_ready = set(not_ready)
         results, failed, messages = {}, [], []
         waiting, waiting_msgs = [], []        # failed only because a peer did (transport errors)
@@ -633,6 +643,19 @@ def _node_helpers(nodes, timeout: float) -> dict:
             _HELPERS[(session, n)] = h
             have[n] = h
     return {n: have[n] for n in nodes}
+
+
+# After a process failed, how long the others get to report before they count as hung.
+SETTLE_S = 3.0
+
+
+def _failed(ref) -> bool:
+    """Whether a finished call raised (or its process died)."""
+    try:
+        ray.get(ref, timeout=0)
+        return False
+    except Exception:
+        return True
 
 
 def _describe(proc: int, e: Exception) -> str:
