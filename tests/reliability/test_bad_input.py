@@ -405,3 +405,35 @@ def test_destination_strided_without_overlap_is_written(group, src, dst):
     assert got.stride() == (7, 1)
     assert torch.equal(got, rr.shard_tensor(FULL["w"], good_specs()["w"].dst, 0))
     still_works(group, src, dst)
+
+
+@pytest.mark.parametrize("to", [torch.float4_e2m1fn_x2, torch.uint4, torch.bits8])
+def test_dtype_pair_torch_cannot_convert(to):
+    """Refused when the spec is made, naming both dtypes: no rank ever starts the refit."""
+    with pytest.raises(ValueError, match=rf"torch cannot copy tensors from torch.float32 to "
+                                         rf"{to}"):
+        rr.TensorSpec((8, 8), to, ROWS, COLS, src_dtype=torch.float32)
+
+
+def test_bucket_smaller_than_an_element(src, dst):
+    with rr.ReshardGroup(src, dst, timeout_s=20, bucket_bytes=2) as g:
+        load(src, dst)
+        before = snapshot(src + dst)
+        with pytest.raises(ValueError, match=r"bucket_bytes=2 is smaller than one element of "
+                                             r"'w' \(torch.float32, 4 bytes\)"):
+            g.refit(good_specs())
+        assert_unchanged(before, snapshot(src + dst))
+        assert g.version == 0
+
+
+def test_two_destination_tensors_sharing_memory(group, src, dst):
+    """Two names whose destination shards are the same memory: one would overwrite the other."""
+    load(src, dst)
+    set_on(dst[0], "b", lambda: torch.zeros(8, 4)[:, 0].clone())
+
+    def alias(self):
+        self.tensors["b"] = self.tensors["w"][:4, 0]
+    ray.get(dst[0].__ray_call__.remote(alias))
+    refused(group, src, dst, good_specs(),
+            r"'w' and 'b' on dst rank 0: their local shards share memory")
+    still_works(group, src, dst)
