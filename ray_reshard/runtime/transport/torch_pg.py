@@ -61,6 +61,7 @@ DEFAULT_OP_TIMEOUT_S = 1800.0
 RENDEZVOUS_TIMEOUT_S = 120.0
 # How often every process looks for an abort written by another one.
 ABORT_POLL_S = 0.2
+STORE_OP_TIMEOUT_S = 10.0
 _ABORT_KEY = "rr_abort"
 _BREAK_TAG = 0x5252_0000          # a gloo tag no message uses: the watcher's 1 ms receive
 # Set while our ProcessGroupNCCL objects are built (torch reads them in the constructor).
@@ -160,6 +161,7 @@ class TorchPGGroup(BaseGroup):
         self._gstore = dist.PrefixStore(group_name + "/", self._store)
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._subgroups: dict = {}
+        self._barriers = 0
         self._lock = threading.Lock()
         self._aborted: Optional[str] = None
         self._stop = threading.Event()
@@ -173,18 +175,30 @@ class TorchPGGroup(BaseGroup):
         self._connect()
         if rank == 0:
             kv._internal_kv_del(key)
-        # The watcher has its own store connection (store clients are not shared by threads).
-        watch_store = dist.PrefixStore(group_name + "/", self._store.clone())
+        # Aborts go through connections of their own with short timeouts, so that a frozen
+        # store host cannot hold a failing process (the watcher thread has another one).
+        self._abort_store = self._short_store()
+        watch_store = self._short_store()
         self._watcher = threading.Thread(target=self._watch, args=(watch_store,),
                                          name=f"rr-abort-{group_name}", daemon=True)
         self._watcher.start()
+
+    def _short_store(self):
+        client = self._store.clone()
+        client.set_timeout(datetime.timedelta(seconds=STORE_OP_TIMEOUT_S))
+        return dist.PrefixStore(self.group_name + "/", client)
 
     # -- backend specifics (overridden by the NCCL variant)
     def _device(self) -> Optional[torch.device]:
         return None
 
     def _make_pg(self, store, rank, size):
-        return dist.ProcessGroupGloo(store, rank, size, self._timeout)
+        # gloo connects every pair in its constructor, bounded by the timeout it is given: the
+        # rendezvous bound there, the operations' default after.
+        pg = dist.ProcessGroupGloo(store, rank, size,
+                                   datetime.timedelta(seconds=self._rendezvous_s))
+        pg._set_default_timeout(self._timeout)
+        return pg
 
     def _connect(self) -> None:
         """gloo connected every pair in its constructor."""
@@ -236,7 +250,7 @@ class TorchPGGroup(BaseGroup):
         at once; the other members' watchers break theirs within ABORT_POLL_S."""
         reason = (reason or f"process {self.rank} aborted the group")[:500]
         try:
-            first = self._gstore.compare_set(_ABORT_KEY, "", reason)
+            first = self._abort_store.compare_set(_ABORT_KEY, "", reason)
             reason = bytes(first).decode(errors="replace") or reason
         except Exception:
             pass                        # the store is gone: the others' watchers notice that
@@ -318,7 +332,8 @@ class TorchPGGroup(BaseGroup):
         self.irecv(tensor, recv_options.src_rank).wait(self._forever(), "recv")
 
     def barrier(self, barrier_options=None):
-        store_barrier(self._gstore, f"rr_barrier{time.monotonic_ns()}", self.rank,
+        self._barriers += 1             # every rank counts its barriers alike: same key
+        store_barrier(self._gstore, f"rr_barrier{self._barriers}", self.rank,
                       self.world_size, self._forever(), "barrier")
 
     def broadcast(self, tensor, broadcast_options=None):
