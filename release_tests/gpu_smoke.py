@@ -194,8 +194,9 @@ STATE: dict = {}
 
 @step(240)
 def ipc_refit_shared_gpu(ctx):
-    """Five actors on one GPU (fractional num_gpus): refits between layouts over CUDA IPC."""
-    full, specs, src, dst, src_l, dst_l = _shared_refit_setup(ctx)
+    """Five actors on one GPU (fractional num_gpus; four in the dry run): refits between
+    layouts over CUDA IPC."""
+    full, specs, src, dst, src_l, dst_l = _shared_refit_setup(ctx, 2, 2 if ctx.dry else 3)
     if not ctx.dry:
         where = ray.get([a.where.remote() for a in src + dst])
         if len({w["visible"] for w in where}) != 1:

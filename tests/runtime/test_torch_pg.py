@@ -49,15 +49,21 @@ class Member:
         self.g.destroy_group()
 
 
-def _group(n):
+@pytest.fixture(scope="module")
+def processes(cluster):
+    """Three actor processes; each test builds a fresh group over some of them."""
+    return [Member.remote() for _ in range(3)]
+
+
+def _group(processes, n):
     name = f"pgtest-{time.monotonic_ns()}"
-    members = [Member.remote() for _ in range(n)]
+    members = processes[:n]
     ray.get([m.join.remote(n, r, name) for r, m in enumerate(members)], timeout=90)
     return members
 
 
-def test_exchange_then_abort_wakes_blocked_peers_in_other_processes(cluster):
-    members = _group(3)
+def test_exchange_then_abort_wakes_blocked_peers_in_other_processes(processes):
+    members = _group(processes, 3)
     got = ray.get([members[0].exchange.remote(1, 7), members[1].exchange.remote(0, 9)], timeout=60)
     assert got == [[9.0] * 8, [7.0] * 8]
     # process 1 waits for process 2 (which never sends), with a deadline far away; process 0
@@ -75,8 +81,8 @@ def test_exchange_then_abort_wakes_blocked_peers_in_other_processes(cluster):
     ray.get([m.leave.remote() for m in members])
 
 
-def test_wait_honours_little_or_no_time_left(cluster):
-    members = _group(2)
+def test_wait_honours_little_or_no_time_left(processes):
+    members = _group(processes, 2)
     kind, msg, secs = ray.get(members[0].recv_from.remote(1, 0.0), timeout=30)
     assert kind == "TransportTimeout" and secs < 1.0
     # under 1 ms left: Work.wait reads a zero timeout as "none" (the group's 30 min default)
@@ -98,3 +104,18 @@ def test_nccl_groups_keep_the_process_on_errors():
     # (2 = abort the communicators and keep the process; torch's default 3 kills it)
     assert torch_pg.NCCL_GROUP_ENV["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
     assert torch_pg.NCCL_GROUP_ENV["TORCH_NCCL_ENABLE_MONITORING"] == "0"
+
+
+def test_losing_the_store_host_wakes_the_others(cluster):
+    """Process 0 hosts the group's store; when it dies (SIGKILL: it writes nothing), a process
+    blocked on a live peer still ends its wait within about a second."""
+    members = [Member.remote() for _ in range(3)]
+    name = f"pgtest-{time.monotonic_ns()}"
+    ray.get([m.join.remote(3, r, name) for r, m in enumerate(members)], timeout=90)
+    blocked = members[1].recv_from.remote(2, 60.0)
+    time.sleep(0.5)
+    ray.kill(members[0])
+    kind, msg, secs = ray.get(blocked, timeout=30)
+    assert kind == "TransportError" and "store" in msg, (kind, msg)
+    assert secs < 0.5 + 3.0, secs
+    ray.get(members[2].leave.remote())

@@ -419,7 +419,7 @@ class TorchNCCLGroup(TorchPGGroup):
             if time.monotonic() >= deadline:
                 raise TransportTimeout(f"{what}: deadline passed")
             time.sleep(pause)
-            pause = min(pause * 2, 0.005)
+            pause = min(pause * 2, 0.002)
         self._raise_if_aborted(what)
 
 
