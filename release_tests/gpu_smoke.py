@@ -35,6 +35,9 @@ from ray_reshard.core.pack import pack, unpack
 from ray_reshard.core.placement import Replicate, Shard
 
 STEPS = []
+# Every actor on the shared GPU asks for this much (Ray keeps 4 decimals: 1/6 six times is more
+# than one GPU, 0.1 ten times is exactly one).
+FRAC = 0.1
 
 
 def step(limit_s: float):
@@ -174,7 +177,7 @@ def pack_bandwidth(ctx):
 
 
 def _shared_refit_setup(ctx, n_src=2, n_dst=3):
-    frac = 1.0 / (n_src + n_dst + 1)
+    frac = FRAC
     rows = max(8, int(ctx.mb * 2**20 / 4 / 1024) // 8 * 8)
     full = torch.randn(rows, 1024)
     src_l, dst_l = _layouts(n_src, n_dst)
@@ -274,7 +277,7 @@ def rank_fails_mid_refit(ctx):
     if after > timeout / 2:
         raise AssertionError(f"RefitError {after:.1f} s after the kill (deadline {timeout:.0f} s)")
     # rebuild with a replacement source
-    frac = {} if ctx.dry else {"num_gpus": 1.0 / 6}
+    frac = {} if ctx.dry else {"num_gpus": FRAC}
     repl = Rank.options(**frac).remote(ctx.device)
     s["src"][1] = repl
     _fill(s["src"], {"w": old}, {"w": s["src_l"]})
@@ -302,7 +305,7 @@ def nccl(ctx):
     if ctx.dry:
         raise Skip("; ".join(parts) + "; NCCL itself needs CUDA")
     # one rank on one GPU: a one-rank communicator, local copies
-    a = Rank.options(num_gpus=1.0 / 6).remote("cuda")
+    a = Rank.options(num_gpus=FRAC).remote("cuda")
     lay = rr.Layout(rr.Mesh([0]), (Replicate(),))
     w = torch.randn(1024, 1024)
     ray.get(a.set.remote({"w": w, "out": torch.zeros_like(w)}))
@@ -314,7 +317,12 @@ def nccl(ctx):
     parts.append("one-rank NCCL group ok")
     if ctx.gpus < 2:
         return "; ".join(parts) + "; a refit between GPUs over NCCL needs 2 GPUs (not run)"
-    # two GPUs, each actor sees only its own: NCCL over the network path, CUDA IPC on the node
+    # two GPUs, each actor sees only its own: NCCL over the network path, CUDA IPC on the node.
+    # Whole GPUs are needed: free the shared one first.
+    STATE["group"].close()
+    STATE["group"] = None
+    for actor in [*s["src"], *s["dst"], a]:
+        ray.kill(actor)
     src, dst = _ranks(ctx, 1, 1.0), _ranks(ctx, 1, 1.0)
     src_l, dst_l = _layouts(1, 1)
     full = torch.randn(4096, 1024)

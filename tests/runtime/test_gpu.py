@@ -187,11 +187,14 @@ def test_colocated_refit_over_nccl(gpu_ray):
     full = torch.randn(256, 128)
     spec = rr.TensorSpec(tuple(full.shape), torch.float32, src, src,
                          dst_slots={0: rr.Slot("out")})
-    ray.get(a.set.remote({"w": full, "out": torch.zeros_like(full)}))
-    with rr.ReshardGroup([a], [a], backend="nccl") as g:
-        res = g.refit({"w": spec})
-        assert res.bytes_by_path["local"] == full.numel() * 4
-    assert torch.equal(ray.get(a.get.remote())["out"], full)
+    try:
+        ray.get(a.set.remote({"w": full, "out": torch.zeros_like(full)}))
+        with rr.ReshardGroup([a], [a], backend="nccl") as g:
+            res = g.refit({"w": spec})
+            assert res.bytes_by_path["local"] == full.numel() * 4
+        assert torch.equal(ray.get(a.get.remote())["out"], full)
+    finally:
+        ray.kill(a)             # frees its share of the GPU for the next test
 
 
 @pytest.mark.gpu
@@ -205,18 +208,22 @@ def test_actors_sharing_one_gpu_refit_over_cuda_ipc(gpu_ray):
     d_l = rr.Layout(rr.Mesh([0, 1]), (Shard(1),))
     full = torch.randn(512, 256)
     specs = {"w": rr.TensorSpec((512, 256), torch.bfloat16, s_l, d_l, src_dtype=torch.float32)}
-    for r, a in enumerate(src):
-        ray.get(a.set.remote({"w": rr.shard_tensor(full, s_l, r).contiguous()}))
-    for r, a in enumerate(dst):
-        ray.get(a.set.remote({"w": torch.zeros(d_l.local_shape(r, (512, 256)),
-                                               dtype=torch.bfloat16)}))
-    with pytest.raises(ValueError, match="share GPU"):
-        rr.ReshardGroup(src, dst, backend="nccl")
-    with rr.ReshardGroup(src, dst) as g:
-        assert g.backend == "gloo"
-        res = g.refit(specs)
-        assert res.bytes_by_path["network"] == 0
-        g.refit(specs, atomic=True)
-    for r, a in enumerate(dst):
-        assert torch.equal(ray.get(a.get.remote())["w"],
-                           rr.shard_tensor(full.to(torch.bfloat16), d_l, r))
+    try:
+        for r, a in enumerate(src):
+            ray.get(a.set.remote({"w": rr.shard_tensor(full, s_l, r).contiguous()}))
+        for r, a in enumerate(dst):
+            ray.get(a.set.remote({"w": torch.zeros(d_l.local_shape(r, (512, 256)),
+                                                   dtype=torch.bfloat16)}))
+        with pytest.raises(ValueError, match="share GPU"):
+            rr.ReshardGroup(src, dst, backend="nccl")
+        with rr.ReshardGroup(src, dst) as g:
+            assert g.backend == "gloo"
+            res = g.refit(specs)
+            assert res.bytes_by_path["network"] == 0
+            g.refit(specs, atomic=True)
+        for r, a in enumerate(dst):
+            assert torch.equal(ray.get(a.get.remote())["w"],
+                               rr.shard_tensor(full.to(torch.bfloat16), d_l, r))
+    finally:
+        for a in src + dst:
+            ray.kill(a)
