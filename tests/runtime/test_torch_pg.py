@@ -119,3 +119,19 @@ def test_losing_the_store_host_wakes_the_others(cluster):
     assert kind == "TransportError" and "store" in msg, (kind, msg)
     assert secs < 0.5 + 3.0, secs
     ray.get(members[2].leave.remote())
+
+
+def test_nccl_error_cause_survives_on_the_first_line():
+    class Failed:
+        def wait(self, timeout=None):
+            raise RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1234, internal error - "
+                               "please report this issue to the NCCL developers, NCCL version "
+                               "2.27.3\nncclInternalError: Internal check failed.\nLast error:\n"
+                               "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device "
+                               "1a000")
+    with pytest.raises(TransportError) as info:
+        torch_pg.wait(Failed(), time.monotonic() + 5, "recv from process 1")
+    first = str(info.value).splitlines()[0]
+    assert first.startswith("recv from process 1: NCCL error in")
+    assert "Duplicate GPU detected : rank 1 and rank 0" in first
+    assert "ncclInternalError" in first

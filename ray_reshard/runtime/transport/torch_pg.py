@@ -459,15 +459,19 @@ def _gpu_name(device) -> str:
 
 
 def _cause(e: BaseException) -> str:
-    """An exception's message with its most telling lines (NCCL puts the reason last)."""
+    """An exception's message on one line, with its most telling parts first: NCCL puts the
+    reason after a "Last error:" line, which the first line alone would lose."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     if not lines:
         return type(e).__name__
-    last = [ln for ln in lines if ln.lower().startswith(("last error", "ncclinvalidusage",
-                                                         "ncclsystemerror", "ncclinternalerror",
-                                                         "ncclremoteerror", "nccl error"))]
-    picked = [lines[0], *[ln for ln in last if ln != lines[0]]]
-    return " | ".join(picked)[:600]
+    picked = [lines[0]]
+    for i, ln in enumerate(lines[1:], 1):
+        if ln.lower().startswith("last error"):
+            rest = ln.split(":", 1)[1].strip() if ":" in ln else ""
+            picked.append(rest or (lines[i + 1] if i + 1 < len(lines) else ""))
+        elif ln.lower().startswith(("nccl", "cuda error")):
+            picked.append(ln)
+    return " | ".join(p for p in picked if p)[:600]
 
 
 def _transport_error(what: str, e: BaseException) -> TransportError:
