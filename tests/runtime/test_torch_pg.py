@@ -66,10 +66,11 @@ def test_exchange_then_abort_wakes_blocked_peers_in_other_processes(processes):
     members = _group(processes, 3)
     got = ray.get([members[0].exchange.remote(1, 7), members[1].exchange.remote(0, 9)], timeout=60)
     assert got == [[9.0] * 8, [7.0] * 8]
-    # process 1 waits for process 2 (which never sends), with a deadline far away; process 0
-    # aborts: process 1 must wake within about a second, with the reason.
+    # process 1 waits for process 2 (alive, but never sends) and process 2 for process 0, with
+    # a deadline far away; process 0 aborts: both must wake within about a second, with the
+    # reason (process 2 first sees its connection to process 0 close).
     blocked = members[1].recv_from.remote(2, 60.0)
-    also_blocked = members[2].recv_from.remote(1, 60.0)
+    also_blocked = members[2].recv_from.remote(0, 60.0)
     time.sleep(0.5)
     assert ray.get(members[0].abort.remote("dst rank 3 ran out of memory", 0.0)) == \
         "dst rank 3 ran out of memory"

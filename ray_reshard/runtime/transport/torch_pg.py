@@ -302,11 +302,22 @@ class TorchPGGroup(BaseGroup):
             # At least 1 ms: a zero timedelta means "no timeout" to Work.wait.
             ok = work.wait(datetime.timedelta(seconds=max(left, 0.001)))
         except RuntimeError as e:
+            self._check_store()           # a peer that aborted closed its connections first
             self._raise_if_aborted(what)
             raise _transport_error(what, e) from None
         self._raise_if_aborted(what)
         if ok is False:
             raise TransportTimeout(f"{what}: timed out")
+
+    def _check_store(self) -> None:
+        """Read an abort another process wrote, now (instead of at the watcher's next poll)."""
+        if self._aborted is not None:
+            return
+        try:
+            if self._abort_store.check([_ABORT_KEY]):
+                self._abort_local(self._abort_store.get(_ABORT_KEY).decode(errors="replace"))
+        except Exception:
+            pass
 
     def _raise_if_aborted(self, what: str) -> None:
         if self._aborted is not None:
@@ -414,6 +425,7 @@ class TorchNCCLGroup(TorchPGGroup):
                     work.wait()            # orders the current stream after it; raises its error
                     break
             except RuntimeError as e:
+                self._check_store()
                 self._raise_if_aborted(what)
                 raise _transport_error(what, e) from None
             if time.monotonic() >= deadline:
