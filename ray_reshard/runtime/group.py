@@ -19,6 +19,7 @@ from ..core.spec import TensorSpec
 from ..errors import RefitError, TransportError
 from . import worker
 from .transport import torch_pg
+from .transport.devices import choose_backend
 
 STRATEGIES = ("reshard", "gather_broadcast")
 # Largest bucket a group accepts: staging buffers are allocated whole, and transports handle
@@ -190,14 +191,13 @@ class ReshardGroup:
         self.src_devices = [proc_device[pid("src", i)] for i in range(n_src)]
         self.dst_devices = [proc_device[pid("dst", j)] for j in range(n_dst)]
         on_gpu = [i["device"].startswith("cuda") for i in infos]
-        backend = self._backend_arg
-        if backend == "auto":
-            backend = "nccl" if all(on_gpu) else "gloo"
-        if backend == "nccl" and not all(on_gpu):
-            raise ValueError("backend='nccl' needs every actor on a GPU; processes "
-                             f"{[k for k, g in enumerate(on_gpu) if not g]} have none")
+        # NCCL only with one process per GPU; processes sharing a GPU (fractional num_gpus) use
+        # CUDA IPC rings on their node whatever the network backend.
+        backend = choose_backend(self._backend_arg,
+                                 [i.get("gpu_uuid") if g else None for i, g in zip(infos, on_gpu)],
+                                 on_gpu)
         self.backend = backend
-        self._gpu = backend == "nccl"
+        self._gpu = all(on_gpu)
         torch_pg.ensure_registered()
         self.group_name = f"rr-{self.group_id[:16]}"
         world = len(self._procs)
@@ -205,7 +205,7 @@ class ReshardGroup:
                                       backend, self._ep_pid, infos[p]["device"], self._tensors_fn,
                                       self.bucket_bytes, self.setup_timeout_s, self._version)
                 for p, a in enumerate(self._procs)]
-        ray.get(refs, timeout=self.setup_timeout_s)
+        self._collect(refs, self.setup_timeout_s, "setup")
 
     def update(self, src_actors: Optional[Sequence[Any]] = None,
                dst_actors: Optional[Sequence[Any]] = None) -> float:

@@ -16,6 +16,7 @@ domains on one machine).
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import socket
 import subprocess
@@ -28,36 +29,62 @@ import ray
 from .transport.shm import SHM_DIR, ShmRing, segment_exists
 
 __all__ = ["NodeHelper", "start_node_helpers", "discover_actor_info", "DOMAIN_ENV",
-           "gpu_inventory"]
+           "gpu_inventory", "fabric_domain_of", "FabricInfo", "FabricInfoV2"]
 
 DOMAIN_ENV = "RAY_RESHARD_DOMAIN"
 
 
 # ---- GPU / NVLink discovery (NVML, best effort) -------------------------------------------------
 
-def _fabric_domain(nvml, handle) -> Optional[str]:
-    """The NVLink fabric domain of one GPU ("nvl-<cluster uuid>-<clique>"), or None."""
-    import ctypes
+class FabricInfo(ctypes.Structure):
+    """NVML's nvmlGpuFabricInfo_t (nvmlDeviceGetGpuFabricInfo), laid out as in nvml.h.
 
-    infos = []
-    if hasattr(nvml, "c_nvmlGpuFabricInfoV_t") and hasattr(nvml, "nvmlDeviceGetGpuFabricInfoV"):
-        infos.append((nvml.c_nvmlGpuFabricInfoV_t, nvml.nvmlDeviceGetGpuFabricInfoV))
-    if hasattr(nvml, "c_nvmlGpuFabricInfo_t") and hasattr(nvml, "nvmlDeviceGetGpuFabricInfo"):
-        infos.append((nvml.c_nvmlGpuFabricInfo_t, nvml.nvmlDeviceGetGpuFabricInfo))
-    completed = getattr(nvml, "NVML_GPU_FABRIC_STATE_COMPLETED", 3)
-    success = getattr(nvml, "NVML_SUCCESS", 0)
-    for struct_t, query in infos:
+    Not pynvml's c_nvmlGpuFabricInfo_t: that one declares an 80-byte UUID (the device UUID
+    string size) where NVML writes 16 bytes, so every field after it is read at the wrong offset.
+    """
+
+    _fields_ = [("clusterUuid", ctypes.c_ubyte * 16), ("status", ctypes.c_int),
+                ("cliqueId", ctypes.c_uint), ("state", ctypes.c_ubyte)]
+
+
+class FabricInfoV2(ctypes.Structure):
+    """NVML's nvmlGpuFabricInfo_v2_t (nvmlDeviceGetGpuFabricInfoV, version field first)."""
+
+    _fields_ = [("version", ctypes.c_uint), ("clusterUuid", ctypes.c_ubyte * 16),
+                ("status", ctypes.c_int), ("cliqueId", ctypes.c_uint),
+                ("state", ctypes.c_ubyte), ("healthMask", ctypes.c_uint)]
+
+
+FABRIC_INFO_V2 = ctypes.sizeof(FabricInfoV2) | (2 << 24)     # NVML_STRUCT_VERSION(GpuFabricInfo, 2)
+FABRIC_STATE_COMPLETED = 3                                   # NVML_GPU_FABRIC_STATE_COMPLETED
+
+
+def fabric_domain_of(cluster_uuid: bytes, status: int, clique_id: int, state: int) -> Optional[str]:
+    """The domain name of one GPU's fabric registration, or None when it has none."""
+    if int(state) != FABRIC_STATE_COMPLETED or int(status) != 0 or not any(cluster_uuid):
+        return None
+    return f"nvl-{bytes(cluster_uuid).hex()}-{int(clique_id)}"
+
+
+def _fabric_domain(nvml, handle) -> Optional[str]:
+    """The NVLink fabric domain of one GPU ("nvl-<cluster uuid>-<clique>"), or None.
+
+    Calls NVML's C functions with structs laid out as in nvml.h (the versioned one first, then
+    the legacy one); a driver or GPU without fabric support answers None."""
+    get = getattr(nvml, "_nvmlGetFunctionPointer", None)
+    if get is None:
+        return None
+    v2 = FabricInfoV2()
+    v2.version = FABRIC_INFO_V2
+    for name, info in (("nvmlDeviceGetGpuFabricInfoV", v2),
+                       ("nvmlDeviceGetGpuFabricInfo", FabricInfo())):
         try:
-            info = struct_t()
-            query(handle, ctypes.byref(info))
+            rc = get(name)(handle, ctypes.byref(info))
         except Exception:
-            continue            # not supported by this driver/GPU, or no fabric
-        if int(info.state) != completed or int(info.status) != success:
-            return None
-        uuid = bytes(bytearray(info.clusterUuid))
-        if not any(uuid):
-            return None
-        return f"nvl-{uuid.hex()}-{int(info.cliqueId)}"
+            continue            # no such function in this driver
+        if rc != 0:
+            continue            # not supported by this GPU/driver (or an older struct version)
+        return fabric_domain_of(bytes(info.clusterUuid), info.status, info.cliqueId, info.state)
     return None
 
 

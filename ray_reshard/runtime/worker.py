@@ -532,7 +532,7 @@ def _abort_channels(wg: _WorkerGroup, reason: str) -> None:
         except Exception:
             pass
     try:
-        wg.pg.abort()
+        wg.pg.abort(f"process {wg.pid}: {reason}"[:500])
     except Exception:
         pass
 
@@ -578,14 +578,7 @@ def raw_transfer(actor, group_id: str, sends: dict, recvs: dict, nbytes: int,
     deadline = time.monotonic() + timeout_s
     buf = torch.zeros(min(nbytes, wg.bucket_bytes), dtype=torch.uint8, device=wg.device)
     rbufs = [torch.empty_like(buf) for _ in range(2)]
-    ops = []
-    for peer in sends:
-        for off in range(0, nbytes, buf.numel()):
-            ops.append(("s", peer, min(buf.numel(), nbytes - off)))
-    for peer in recvs:
-        for off in range(0, nbytes, buf.numel()):
-            ops.append(("r", peer, min(buf.numel(), nbytes - off)))
-    ops.sort(key=lambda o: (o[1], o[0]))
+    ops = raw_ops(wg.pid, sends, recvs, nbytes, buf.numel())
     t0 = time.perf_counter()
     pending: deque = deque()
     for i, (kind, peer, n) in enumerate(ops):
@@ -598,3 +591,15 @@ def raw_transfer(actor, group_id: str, sends: dict, recvs: dict, nbytes: int,
     if wg.device.type == "cuda":
         torch.cuda.synchronize(wg.device)
     return time.perf_counter() - t0
+
+
+def raw_ops(proc: int, sends, recvs, nbytes: int, chunk: int) -> list:
+    """raw_transfer's messages in posting order: ("s" or "r", peer, bytes). Per peer, the lower
+    process sends first and the higher receives first, so both ends post matching operations in
+    the same order (lock-step transports such as NCCL run a pair's operations in that order)."""
+    ops = [("s", peer, min(chunk, nbytes - off)) for peer in sends
+           for off in range(0, nbytes, chunk)]
+    ops += [("r", peer, min(chunk, nbytes - off)) for peer in recvs
+            for off in range(0, nbytes, chunk)]
+    ops.sort(key=lambda o: (o[1], (o[0] == "s") != (proc < o[1])))
+    return ops

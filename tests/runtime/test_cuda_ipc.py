@@ -2,6 +2,7 @@
 without it); the header/handshake parts run anywhere."""
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -68,8 +69,10 @@ def _bucket(seed: int, i: int, slot_bytes: int, device) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).to(device)
 
 
-def _gpu_producer(name, seed, count, use_stream, q):
+def _gpu_producer(name, seed, count, use_stream, q, visible=None):
     try:
+        if visible is not None:          # before CUDA starts in this process
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
         torch.cuda.set_device(0)
         ring = CudaIpcRing.attach(name)
         stream = torch.cuda.Stream() if use_stream else None
@@ -96,8 +99,10 @@ def _gpu_producer(name, seed, count, use_stream, q):
         q.put(("producer", "error", repr(e)))
 
 
-def _gpu_consumer(name, seed, count, q):
+def _gpu_consumer(name, seed, count, q, visible=None):
     try:
+        if visible is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
         torch.cuda.set_device(0)
         ring = CudaIpcRing.attach(name)
         ring.prepare_recv()
@@ -119,17 +124,16 @@ def _gpu_consumer(name, seed, count, q):
         q.put(("consumer", "error", repr(e)))
 
 
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("slots,use_stream", [(2, False), (3, True)])
-def test_two_processes_exchange_buckets_bit_exact(slots, use_stream):
+def _exchange(slots, use_stream, consumer_gpu=None, producer_gpu=None):
     ctx = tmp.get_context("spawn")
     ring = CudaIpcRing.create(1 << 20, slots=slots)     # created without touching CUDA here
     try:
         count = 60
         q = ctx.Queue()
-        procs = [ctx.Process(target=_gpu_consumer, args=(ring.name, slots, count, q)),
-                 ctx.Process(target=_gpu_producer, args=(ring.name, slots, count, use_stream, q))]
+        procs = [ctx.Process(target=_gpu_consumer, args=(ring.name, slots, count, q,
+                                                         consumer_gpu)),
+                 ctx.Process(target=_gpu_producer, args=(ring.name, slots, count, use_stream, q,
+                                                         producer_gpu))]
         for p in procs:
             p.start()
         results = {}
@@ -144,6 +148,29 @@ def test_two_processes_exchange_buckets_bit_exact(slots, use_stream):
     finally:
         CudaIpcRing.unlink(ring.name)
         ring.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("slots,use_stream", [(2, False), (3, True)])
+def test_two_processes_exchange_buckets_bit_exact(slots, use_stream):
+    _exchange(slots, use_stream)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_exchange_under_expandable_segments(monkeypatch):
+    """The receiver's slots must be shareable by CUDA IPC whatever the allocator settings."""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    _exchange(2, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs two GPUs")
+def test_exchange_between_gpus_invisible_to_each_other():
+    """Ray's default: each process sees only its own GPU (CUDA_VISIBLE_DEVICES)."""
+    _exchange(2, False, consumer_gpu="1", producer_gpu="0")
 
 
 def _gpu_late_receiver(name, q):

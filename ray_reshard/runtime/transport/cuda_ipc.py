@@ -14,13 +14,24 @@ the buffer's device) before publishing, so the bytes are complete when the recei
 ``release_recv`` synchronises the receiver's current stream before freeing the slot, so the sender
 cannot overwrite bytes still being read. Pass ``stream=`` to either to synchronise a specific stream.
 
-Requirements: both processes must see the buffer's GPU (CUDA IPC cannot open memory of a device the
-process does not enumerate; with Ray's per-actor CUDA_VISIBLE_DEVICES, rings between actors on
-*different* GPUs need every GPU visible, e.g. RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1); the
-receiver must outlive the sender's use of the ring. The metadata is JSON (no pickle).
+Devices: Ray gives each GPU actor CUDA_VISIBLE_DEVICES with only its own GPU, so the sender
+usually cannot see the receiver's GPU. It then opens the handle on its own current device: CUDA
+maps the peer's memory into that device's address space through peer access (CUDA >= 10.1 allows
+it for invisible devices), and the packing kernels write over NVLink / PCIe. When the buffer's GPU
+is visible (same GPU, e.g. actors sharing one with fractional ``num_gpus``, or all GPUs visible),
+the handle is opened on that device. The rule is :func:`~.devices.ipc_open_device`.
+
+Allocation: the slot buffer is a plain cudaMalloc'd block of torch's caching allocator. Under
+``expandable_segments:True`` the allocator's memory would be shared through file descriptors that
+need ptrace rights between the processes, so the ring allocates with expandable segments switched
+off for that one allocation. The receiver synchronises its device before publishing the handle,
+so no IPC event is shared (events of an invisible device could not be opened either).
+
+The receiver must outlive the sender's use of the ring. The metadata is JSON (no pickle).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Optional
@@ -28,6 +39,7 @@ from typing import Optional
 import torch
 
 from ...errors import TransportError
+from .devices import expandable_segments, ipc_open_device
 from .shm import _OFF_META_LEN, _Segment, _round_up
 
 __all__ = ["CudaIpcRing"]
@@ -43,16 +55,26 @@ def _device_uuid(index: int) -> Optional[str]:
     return u if u.startswith(("GPU-", "MIG-")) else f"GPU-{u}"
 
 
-def _local_index(uuid: Optional[str], fallback: int) -> int:
-    """This process's index of the GPU with `uuid` (CUDA_VISIBLE_DEVICES renumbers GPUs)."""
-    if uuid is None:
-        return fallback
-    for i in range(torch.cuda.device_count()):
-        if _device_uuid(i) == uuid:
-            return i
-    raise TransportError(f"GPU {uuid} holding the ring's buffer is not visible to this process "
-                         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
-                         f"CUDA IPC needs it visible")
+def _open_index(uuid: Optional[str]) -> int:
+    """The local device to open a buffer on GPU `uuid` on (see the module docstring)."""
+    visible = [_device_uuid(i) for i in range(torch.cuda.device_count())]
+    return ipc_open_device(uuid, visible, torch.cuda.current_device())
+
+
+@contextlib.contextmanager
+def _no_expandable_segments():
+    """Allocate inside without expandable segments (restored after) when they are on."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
+    if not expandable_segments(conf):
+        yield
+        return
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
+        torch.cuda.memory._set_allocator_settings
+    setter("expandable_segments:False")
+    try:
+        yield
+    finally:
+        setter("expandable_segments:True")
 
 
 def _hex(b) -> Optional[str]:
@@ -94,7 +116,8 @@ class CudaIpcRing(_Segment):
             else torch.device(device)
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
-        buf = torch.zeros(self.slots * self._gstride, dtype=torch.uint8, device=dev)
+        with _no_expandable_segments():
+            buf = torch.zeros(self.slots * self._gstride, dtype=torch.uint8, device=dev)
         storage = buf.untyped_storage()
         (s_dev, handle, size_bytes, offset_bytes, ref_handle, ref_offset, ev_handle,
          ev_sync) = storage._share_cuda_()
@@ -102,7 +125,8 @@ class CudaIpcRing(_Segment):
             "v": 1, "pid": os.getpid(), "uuid": _device_uuid(dev.index), "device": int(s_dev),
             "handle": _hex(handle), "size": int(size_bytes), "offset": int(offset_bytes),
             "ref_handle": _hex(ref_handle), "ref_offset": int(ref_offset),
-            "event": _hex(ev_handle), "event_sync": bool(ev_sync),
+            # synchronised below, before publishing: no IPC event to open
+            "event": "", "event_sync": False,
             "nbytes": int(buf.numel()),
         }
         torch.cuda.synchronize(dev)          # zeroed before anyone maps it
@@ -116,12 +140,20 @@ class CudaIpcRing(_Segment):
         meta = json.loads(self.meta.decode())
         if meta.get("pid") == os.getpid():
             raise TransportError("sender and receiver of a CudaIpcRing must be different processes")
-        dev = _local_index(meta.get("uuid"), int(meta["device"]))
         torch.cuda._lazy_init()
-        storage = torch.UntypedStorage._new_shared_cuda(
-            dev, _unhex(meta["handle"]), meta["size"], meta["offset"],
-            _unhex(meta["ref_handle"]), meta["ref_offset"], _unhex(meta["event"]),
-            meta["event_sync"])
+        dev = _open_index(meta.get("uuid"))
+        try:
+            storage = torch.UntypedStorage._new_shared_cuda(
+                dev, _unhex(meta["handle"]), meta["size"], meta["offset"],
+                _unhex(meta["ref_handle"]), meta["ref_offset"], _unhex(meta["event"]),
+                bool(meta["event_sync"]))
+        except RuntimeError as e:
+            raise TransportError(
+                f"ring {self.name!r}: cannot open the receiver's GPU buffer (GPU {meta.get('uuid')}, "
+                f"process {meta.get('pid')}) on local device {dev} "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): "
+                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}; CUDA IPC needs peer "
+                f"access between the two GPUs") from None
         buf = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", dev))
         buf.set_(storage, 0, (int(meta["nbytes"]),), (1,))
         self._buf = buf

@@ -6,12 +6,42 @@ it; its NCCL backend builds a two-rank communicator per peer pair for send/recv.
 own backends instead ("RR_GLOO", "RR_NCCL"): each group is a standalone, non-default
 ProcessGroupGloo / ProcessGroupNCCL over its own TCPStore, rendezvoused through Ray's internal KV,
 so any number of groups coexist in one process next to the user's own torch.distributed state.
+
+Protocol of one group:
+
+- Set-up. Rank 0 hosts the TCPStore and publishes its address in Ray's KV. Every rank builds the
+  process group, then meets the others at a barrier made of store keys (``rr_ready/<rank>``): no
+  collective runs at set-up, so the barrier works on any backend and any device sharing. NCCL
+  then connects *eagerly* on the actor's own device: one communicator over all ranks, which every
+  point-to-point operation uses (each send/recv is issued as a coalesced group of one, so torch
+  never builds a two-rank communicator per peer pair).
+- Abort. :meth:`TorchPGGroup.abort` writes ``rr_abort`` (first reason wins) in the group's store
+  and breaks this process's pending operations. A watcher thread in every process polls that key
+  every ``ABORT_POLL_S`` and breaks its own pending operations when it appears, so a failure
+  anywhere ends every wait within about a second. Breaking: gloo cannot cancel a posted
+  operation, but a *timed-out* wait closes every connection of the gloo context, which fails
+  every pending operation of the process at once (and its direct peers see the connection
+  close); the watcher provokes that with a 1 ms wait on a receive nobody sends. NCCL: the
+  communicators are aborted (ncclCommAbort). Losing the store (rank 0's process died) counts as
+  an abort too.
+- Waits (:func:`wait`) honour what is left of the caller's deadline, including none (an
+  immediate TransportTimeout), and raise TransportError naming the abort reason.
+- NCCL errors. The group's ProcessGroupNCCL is built with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``
+  (abort the communicators, keep the process) and the heartbeat monitor off, for this group only:
+  torch's default tears down the whole process (the user's trainer or engine) when an operation
+  fails or times out. Our own deadlines come long before NCCL's.
+- gloo with CUDA tensors: gloo's TCP transport reads host memory only, so point-to-point messages
+  of CUDA tensors are staged through pinned host buffers (the receive copies back to the device
+  when it completes).
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import os
+import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -22,15 +52,77 @@ from ray.util.collective.collective_group.base_collective_group import BaseGroup
 
 from ...errors import TransportError, TransportTimeout
 
+__all__ = ["TorchPGGroup", "TorchNCCLGroup", "Pending", "wait", "ensure_registered",
+           "backend_name", "ABORT_POLL_S", "NCCL_GROUP_ENV"]
+
 _KV_PREFIX = "ray_reshard_store:"
 DEFAULT_OP_TIMEOUT_S = 1800.0
-# Bound on joining a group (store connection, first barrier); the executor sets it per group.
+# Bound on joining a group (store connection, barrier, NCCL connect); the worker sets it per group.
 RENDEZVOUS_TIMEOUT_S = 120.0
+# How often every process looks for an abort written by another one.
+ABORT_POLL_S = 0.2
+STORE_OP_TIMEOUT_S = 10.0
+_ABORT_KEY = "rr_abort"
+_BREAK_TAG = 0x5252_0000          # a gloo tag no message uses: the watcher's 1 ms receive
+# Set while our ProcessGroupNCCL objects are built (torch reads them in the constructor).
+NCCL_GROUP_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_ENABLE_MONITORING": "0"}
+_ENV_LOCK = threading.Lock()
 
 
 def _kv():
     import ray.experimental.internal_kv as kv
     return kv
+
+
+@contextlib.contextmanager
+def _env(values: dict):
+    with _ENV_LOCK:
+        old = {k: os.environ.get(k) for k in values}
+        os.environ.update(values)
+        try:
+            yield
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+class Pending:
+    """One posted operation of a group: ``wait(deadline, what)`` or the module's :func:`wait`.
+
+    `after` runs once the operation completed (e.g. copying a staged receive to the device);
+    `keep` holds buffers alive until then."""
+
+    __slots__ = ("group", "work", "after", "keep")
+
+    def __init__(self, group: "TorchPGGroup", work, after: Optional[Callable] = None, keep=None):
+        self.group, self.work, self.after, self.keep = group, work, after, keep
+
+    def wait(self, deadline: float, what: str) -> None:
+        self.group._wait_work(self.work, deadline, what)
+        if self.after is not None:
+            after, self.after = self.after, None
+            after()
+        self.keep = None
+
+
+class _BoundPG:
+    """A torch process group whose operations return :class:`Pending` of the owning group."""
+
+    def __init__(self, group: "TorchPGGroup", pg):
+        self._group, self._pg = group, pg
+
+    def __getattr__(self, name):
+        attr = getattr(self._pg, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            out = attr(*args, **kwargs)
+            return Pending(self._group, out) if isinstance(out, dist.Work) else out
+        return call
 
 
 class TorchPGGroup(BaseGroup):
@@ -44,6 +136,7 @@ class TorchPGGroup(BaseGroup):
         super().__init__(world_size, rank, group_name)
         if rendezvous_timeout_s is None:
             rendezvous_timeout_s = RENDEZVOUS_TIMEOUT_S
+        self._rendezvous_s = rendezvous_timeout_s
         key = _KV_PREFIX + group_name
         kv = _kv()
         if rank == 0:
@@ -65,17 +158,50 @@ class TorchPGGroup(BaseGroup):
             host, port = addr.decode().rsplit(":", 1)
             self._store = dist.TCPStore(host, int(port), world_size, is_master=False,
                                         timeout=datetime.timedelta(seconds=rendezvous_timeout_s))
+        self._gstore = dist.PrefixStore(group_name + "/", self._store)
         self._timeout = datetime.timedelta(seconds=timeout_s)
-        self.pg = self._make_pg(dist.PrefixStore(group_name + "/", self._store), rank, world_size)
         self._subgroups: dict = {}
-        # Everyone has connected once this returns; the KV entry is no longer needed. A member
+        self._barriers = 0
+        self._lock = threading.Lock()
+        self._aborted: Optional[str] = None
+        self._stop = threading.Event()
+        self.device = self._device()
+        self.pg = self._make_pg(self._gstore, rank, world_size)
+        # Everyone has built its process group once this returns (store keys only: no
+        # collective, whatever the backend); the KV entry is then no longer needed. A member
         # that died during set-up fails the others here within the rendezvous timeout.
-        self.pg.barrier().wait(datetime.timedelta(seconds=rendezvous_timeout_s))
+        store_barrier(self._gstore, "rr_ready", rank, world_size,
+                      time.monotonic() + rendezvous_timeout_s, f"group {group_name!r} set-up")
+        self._connect()
         if rank == 0:
             kv._internal_kv_del(key)
+        # Aborts go through connections of their own with short timeouts, so that a frozen
+        # store host cannot hold a failing process (the watcher thread has another one).
+        self._abort_store = self._short_store()
+        watch_store = self._short_store()
+        self._watcher = threading.Thread(target=self._watch, args=(watch_store,),
+                                         name=f"rr-abort-{group_name}", daemon=True)
+        self._watcher.start()
+
+    def _short_store(self):
+        client = self._store.clone()
+        client.set_timeout(datetime.timedelta(seconds=STORE_OP_TIMEOUT_S))
+        return dist.PrefixStore(self.group_name + "/", client)
+
+    # -- backend specifics (overridden by the NCCL variant)
+    def _device(self) -> Optional[torch.device]:
+        return None
 
     def _make_pg(self, store, rank, size):
-        return dist.ProcessGroupGloo(store, rank, size, self._timeout)
+        # gloo connects every pair in its constructor, bounded by the timeout it is given: the
+        # rendezvous bound there, the operations' default after.
+        pg = dist.ProcessGroupGloo(store, rank, size,
+                                   datetime.timedelta(seconds=self._rendezvous_s))
+        pg._set_default_timeout(self._timeout)
+        return pg
+
+    def _connect(self) -> None:
+        """gloo connected every pair in its constructor."""
 
     @classmethod
     def backend(cls):
@@ -85,60 +211,152 @@ class TorchPGGroup(BaseGroup):
     def check_backend_availability(cls) -> bool:
         return dist.is_available() and (cls.pg_backend != "nccl" or torch.cuda.is_available())
 
-    # Point-to-point, asynchronous: the executor keeps a bounded window of these in flight.
-    def isend(self, tensor: torch.Tensor, peer: int):
-        return self.pg.send([tensor], peer, 0)
+    # -- point-to-point, asynchronous: the executor keeps a bounded window of these in flight
+    def isend(self, tensor: torch.Tensor, peer: int) -> Pending:
+        if tensor.is_cuda:            # gloo reads host memory only: stage in pinned memory
+            host = _host_like(tensor)
+            host.copy_(tensor)
+            return Pending(self, self.pg.send([host], peer, 0), keep=host)
+        return Pending(self, self.pg.send([tensor], peer, 0))
 
-    def irecv(self, tensor: torch.Tensor, peer: int):
-        return self.pg.recv([tensor], peer, 0)
+    def irecv(self, tensor: torch.Tensor, peer: int) -> Pending:
+        if tensor.is_cuda:
+            host = _host_like(tensor)
+            return Pending(self, self.pg.recv([host], peer, 0),
+                           after=lambda: tensor.copy_(host), keep=host)
+        return Pending(self, self.pg.recv([tensor], peer, 0))
 
     def subgroup(self, ranks: tuple[int, ...]):
         """A process group over `ranks` (group ranks); every member must ask for it in the same
-        order. Used by the gather-broadcast baseline's collectives."""
+        order. Used by the gather-broadcast baseline's collectives; its operations return
+        :class:`Pending` (aborted with the group)."""
         ranks = tuple(ranks)
         if ranks not in self._subgroups:
             tag = "sub" + "-".join(map(str, ranks)) + "/"
-            store = dist.PrefixStore(self.group_name + "/" + tag, self._store)
-            self._subgroups[ranks] = self._make_pg(store, ranks.index(self.rank), len(ranks))
-        return self._subgroups[ranks]
+            store = dist.PrefixStore(tag, self._gstore)
+            self._subgroups[ranks] = (self._make_pg(store, ranks.index(self.rank), len(ranks)),
+                                      ranks)
+        return _BoundPG(self, self._subgroups[ranks][0])
 
-    def abort(self) -> None:
-        """Break any pending operation so blocked ranks fail fast; the group is unusable after."""
-        for pg in [self.pg, *self._subgroups.values()]:
+    # -- abort
+    @property
+    def aborted(self) -> Optional[str]:
+        """The reason this group was aborted (here or by any member), or None."""
+        return self._aborted
+
+    def abort(self, reason: Optional[str] = None) -> None:
+        """Fail every pending and later operation of the group, in every process: the reason
+        goes to the group's store (the first one wins) and this process's operations are broken
+        at once; the other members' watchers break theirs within ABORT_POLL_S."""
+        reason = (reason or f"process {self.rank} aborted the group")[:500]
+        try:
+            first = self._abort_store.compare_set(_ABORT_KEY, "", reason)
+            reason = bytes(first).decode(errors="replace") or reason
+        except Exception:
+            pass                        # the store is gone: the others' watchers notice that
+        self._abort_local(reason)
+
+    def _watch(self, store) -> None:
+        misses = 0
+        while not self._stop.wait(ABORT_POLL_S):
             try:
-                pg.abort()
+                if store.check([_ABORT_KEY]):
+                    self._abort_local(store.get(_ABORT_KEY).decode(errors="replace"))
+                    return
+                misses = 0
+            except Exception as e:
+                misses += 1
+                if misses >= 2 and not self._stop.is_set():
+                    self._abort_local(f"the group's store (hosted by process 0) is unreachable: "
+                                      f"{type(e).__name__}")
+                    return
+
+    def _abort_local(self, reason: str) -> None:
+        with self._lock:
+            if self._aborted is not None:
+                return
+            self._aborted = reason
+        self._break()
+
+    def _break(self) -> None:
+        """Make every pending operation of this process fail now (see the module docstring)."""
+        pgs = [(self.pg, tuple(range(self.world_size))), *self._subgroups.values()]
+        for pg, ranks in pgs:
+            if len(ranks) < 2:
+                continue
+            me = ranks.index(self.rank)
+            try:
+                work = pg.recv([torch.empty(1, dtype=torch.uint8)], (me + 1) % len(ranks),
+                               _BREAK_TAG)
+                work.wait(datetime.timedelta(milliseconds=1))
             except Exception:
                 pass
 
+    # -- waits
+    def _wait_work(self, work, deadline: float, what: str) -> None:
+        self._raise_if_aborted(what)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransportTimeout(f"{what}: deadline passed")
+        try:
+            # At least 1 ms: a zero timedelta means "no timeout" to Work.wait.
+            ok = work.wait(datetime.timedelta(seconds=max(left, 0.001)))
+        except RuntimeError as e:
+            self._check_store()           # a peer that aborted closed its connections first
+            self._raise_if_aborted(what)
+            raise _transport_error(what, e) from None
+        self._raise_if_aborted(what)
+        if ok is False:
+            raise TransportTimeout(f"{what}: timed out")
+
+    def _check_store(self) -> None:
+        """Read an abort another process wrote, now (instead of at the watcher's next poll)."""
+        if self._aborted is not None:
+            return
+        try:
+            if self._abort_store.check([_ABORT_KEY]):
+                self._abort_local(self._abort_store.get(_ABORT_KEY).decode(errors="replace"))
+        except Exception:
+            pass
+
+    def _raise_if_aborted(self, what: str) -> None:
+        if self._aborted is not None:
+            raise TransportError(f"{what}: group aborted: {self._aborted}")
+
     def destroy_group(self):
-        for pg in [*self._subgroups.values(), self.pg]:
+        self._stop.set()
+        for pg, _ in [*self._subgroups.values(), (self.pg, None)]:
             try:
                 pg.shutdown()
             except Exception:
                 pass
         self._subgroups.clear()
-        self._store = None
 
     # BaseGroup's collective API, for completeness (Ray's helpers call these).
+    def _forever(self):
+        return time.monotonic() + self._timeout.total_seconds()
+
     def send(self, tensor, send_options):
-        self.isend(tensor, send_options.dst_rank).wait()
+        self.isend(tensor, send_options.dst_rank).wait(self._forever(), "send")
 
     def recv(self, tensor, recv_options):
-        self.irecv(tensor, recv_options.src_rank).wait()
+        self.irecv(tensor, recv_options.src_rank).wait(self._forever(), "recv")
 
     def barrier(self, barrier_options=None):
-        self.pg.barrier().wait()
+        self._barriers += 1             # every rank counts its barriers alike: same key
+        store_barrier(self._gstore, f"rr_barrier{self._barriers}", self.rank,
+                      self.world_size, self._forever(), "barrier")
 
     def broadcast(self, tensor, broadcast_options=None):
         opts = dist.BroadcastOptions()
         opts.rootRank = broadcast_options.root_rank if broadcast_options else 0
-        self.pg.broadcast([tensor], opts).wait()
+        self._wait_work(self.pg.broadcast([tensor], opts), self._forever(), "broadcast")
 
     def allgather(self, tensor_list, tensor, allgather_options=None):
-        self.pg.allgather([tensor_list], [tensor]).wait()
+        self._wait_work(self.pg.allgather([tensor_list], [tensor]), self._forever(), "allgather")
 
     def allreduce(self, tensor, allreduce_options=None):
-        self.pg.allreduce([tensor]).wait()
+        self._wait_work(self.pg.allreduce([tensor]), self._forever(), "allreduce")
 
     def reduce(self, tensor, reduce_options=None):
         raise NotImplementedError("reduce is not used by ray-reshard")
@@ -148,14 +366,131 @@ class TorchPGGroup(BaseGroup):
 
 
 class TorchNCCLGroup(TorchPGGroup):
-    """The GPU variant: ProcessGroupNCCL, one communicator for all peers of the group."""
+    """The GPU variant: ProcessGroupNCCL with one communicator (all ranks) on this actor's
+    device, connected at set-up; point-to-point operations are issued as coalesced groups of one
+    so that they use it."""
 
     pg_backend = "nccl"
+
+    def _device(self) -> torch.device:
+        # Ray gives a GPU actor CUDA_VISIBLE_DEVICES with its own GPU(s): the current device.
+        return torch.device("cuda", torch.cuda.current_device())
 
     def _make_pg(self, store, rank, size):
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = self._timeout
-        return dist.ProcessGroupNCCL(store, rank, size, opts)
+        with _env(NCCL_GROUP_ENV):
+            return dist.ProcessGroupNCCL(store, rank, size, opts)
+
+    def _connect(self) -> None:
+        try:
+            self.pg.eager_connect_single_device(self.device)
+        except Exception as e:
+            raise TransportError(
+                f"group {self.group_name!r}: NCCL could not connect rank {self.rank} on "
+                f"{self.device} ({_gpu_name(self.device)}): {_cause(e)}") from None
+
+    def isend(self, tensor: torch.Tensor, peer: int) -> Pending:
+        return self._p2p(self.pg.send, tensor, peer)
+
+    def irecv(self, tensor: torch.Tensor, peer: int) -> Pending:
+        return self._p2p(self.pg.recv, tensor, peer)
+
+    def _p2p(self, op, tensor, peer) -> Pending:
+        if self._aborted is not None:
+            raise TransportError(f"group aborted: {self._aborted}")
+        if not tensor.is_cuda:
+            raise TransportError(f"NCCL moves CUDA tensors only, got one on {tensor.device}")
+        self.pg._start_coalescing(self.device)
+        try:
+            op([tensor], peer, 0)
+        finally:
+            work = self.pg._end_coalescing(self.device)
+        return Pending(self, work)
+
+    def _break(self) -> None:
+        for pg, _ in [(self.pg, None), *self._subgroups.values()]:
+            try:
+                pg.abort()
+            except Exception:
+                pass
+
+    def _wait_work(self, work, deadline: float, what: str) -> None:
+        # NCCL work completes on the GPU: poll it, so the deadline and aborts are seen at once.
+        pause = 0.0001
+        while True:
+            self._raise_if_aborted(what)
+            try:
+                if work.is_completed():
+                    work.wait()            # orders the current stream after it; raises its error
+                    break
+            except RuntimeError as e:
+                self._check_store()
+                self._raise_if_aborted(what)
+                raise _transport_error(what, e) from None
+            if time.monotonic() >= deadline:
+                raise TransportTimeout(f"{what}: deadline passed")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.002)
+        self._raise_if_aborted(what)
+
+
+def store_barrier(store, name: str, rank: int, world: int, deadline: float, what: str) -> None:
+    """Wait until every rank set `name/<rank>` in `store` (or raise TransportTimeout naming the
+    missing ranks at `deadline`)."""
+    store.set(f"{name}/{rank}", b"1")
+    keys = [f"{name}/{r}" for r in range(world)]
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            store.wait(keys, datetime.timedelta(seconds=max(min(left, 1.0), 0.001)))
+            return
+        except Exception:
+            if time.monotonic() >= deadline:
+                missing = [r for r, k in enumerate(keys) if not _has(store, k)]
+                raise TransportTimeout(f"{what}: ranks {missing} did not arrive") from None
+
+
+def _has(store, key) -> bool:
+    try:
+        return store.check([key])
+    except Exception:
+        return False
+
+
+def _host_like(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available())
+
+
+def _gpu_name(device) -> str:
+    try:
+        p = torch.cuda.get_device_properties(device)
+        return f"{p.name}, uuid {p.uuid}"
+    except Exception:
+        return "unknown GPU"
+
+
+def _cause(e: BaseException) -> str:
+    """An exception's message on one line, with its most telling parts first: NCCL puts the
+    reason after a "Last error:" line, which the first line alone would lose."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    if not lines:
+        return type(e).__name__
+    picked = [lines[0]]
+    for i, ln in enumerate(lines[1:], 1):
+        if ln.lower().startswith("last error"):
+            rest = ln.split(":", 1)[1].strip() if ":" in ln else ""
+            picked.append(rest or (lines[i + 1] if i + 1 < len(lines) else ""))
+        elif ln.lower().startswith(("nccl", "cuda error")):
+            picked.append(ln)
+    return " | ".join(p for p in picked if p)[:600]
+
+
+def _transport_error(what: str, e: BaseException) -> TransportError:
+    msg = str(e)
+    if "Timed out" in msg or "timeout" in msg.lower():
+        return TransportTimeout(f"{what}: timed out ({_cause(e)})")
+    return TransportError(f"{what}: {_cause(e)}")
 
 
 def ensure_registered() -> None:
@@ -170,16 +505,17 @@ def backend_name(kind: str) -> str:
 
 
 def wait(work, deadline: float, what: str) -> None:
-    """Wait for a torch Work until `deadline` (time.monotonic()); raise TransportTimeout/Error."""
+    """Wait for a posted operation until `deadline` (time.monotonic()); raise TransportTimeout
+    when it passes (at once when none is left) or TransportError (peer gone, group aborted)."""
+    if isinstance(work, Pending):
+        work.wait(deadline, what)
+        return
     left = deadline - time.monotonic()
     if left <= 0:
         raise TransportTimeout(f"{what}: deadline passed")
     try:
-        ok = work.wait(datetime.timedelta(seconds=left))
+        ok = work.wait(datetime.timedelta(seconds=max(left, 0.001)))
     except RuntimeError as e:
-        msg = str(e)
-        if "Timed out" in msg or "timeout" in msg.lower():
-            raise TransportTimeout(f"{what}: timed out") from None
-        raise TransportError(f"{what}: {msg.splitlines()[0] if msg else type(e).__name__}") from None
+        raise _transport_error(what, e) from None
     if ok is False:
         raise TransportTimeout(f"{what}: timed out")
