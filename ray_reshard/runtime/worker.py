@@ -287,7 +287,7 @@ def run(actor, group_id: str, key, timeout_s: float, version: int,
         else:
             stats = _execute(wg, prog, views, deadline)
     except BaseException as e:
-        _abort_channels(wg, f"process {wg.pid}: {type(e).__name__}: {e}")
+        _abort_channels(wg, f"{type(e).__name__}: {e}")
         raise
     wg.staged = (version, [(targets[k], views[k]) for k in targets] if atomic else [])
     stats["seconds"] = time.perf_counter() - t0

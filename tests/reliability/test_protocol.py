@@ -286,7 +286,8 @@ def test_failure_in_run_phase_fails_fast(pair, fault):
     with rr.ReshardGroup(src, dst, timeout_s=timeout, tensors=tensors) as g:
         load(src, dst, specs, 0)
         g.refit(specs)
-        ray.get(dst[1].__ray_call__.remote(lambda self: setattr(self, "faulty", True)))
+        ray.get(dst[1].__ray_call__.remote(lambda self: self.__dict__.update(faulty=True,
+                                                                            calls=0)))
         t0 = time.monotonic()
         with pytest.raises(rr.RefitError, match=r"dst rank 1") as info:
             g.refit(specs)
