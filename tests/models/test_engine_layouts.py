@@ -37,8 +37,9 @@ def expert_map(ep_size, ep_rank, n_experts, strategy):
     return emap
 
 
-def vllm_reference(cfg, sd, par: VLLM, rank: int) -> dict:
-    """Storages of the first layers a vLLM rank holds, built from the HF state dict."""
+def vllm_reference(cfg, sd, par: VLLM, rank: int, layers=None) -> dict:
+    """Storages of the first layers a vLLM rank holds, built from the HF state dict (`layers`:
+    these layers whatever the rank's storages)."""
     d, p, t = vllm_rank(rank, par)
     tp = par.tp
     out = {}
@@ -47,9 +48,9 @@ def vllm_reference(cfg, sd, par: VLLM, rank: int) -> dict:
     if p == par.pp - 1 and not cfg.tie_word_embeddings:
         out["lm_head.weight"] = pad_rows(sd["lm_head.weight"], 64).chunk(tp)[t]
     nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    for l in range(cfg.num_hidden_layers):
+    for l in (range(cfg.num_hidden_layers) if layers is None else layers):
         P = f"model.layers.{l}."
-        if P + "input_layernorm.weight" not in storage_shapes(cfg, par, rank):
+        if layers is None and P + "input_layernorm.weight" not in storage_shapes(cfg, par, rank):
             continue
         if hasattr(cfg, "kv_lora_rank"):
             a = P + "self_attn."
@@ -103,6 +104,33 @@ def vllm_reference(cfg, sd, par: VLLM, rank: int) -> dict:
             out[s + "gate_up_proj.weight"] = torch.cat([sd[s + "gate_proj.weight"].chunk(n)[i],
                                                         sd[s + "up_proj.weight"].chunk(n)[i]])
             out[s + "down_proj.weight"] = sd[s + "down_proj.weight"].chunk(n, 1)[i]
+    return out
+
+
+def vllm_mtp_reference(cfg, sd, par: VLLM, rank: int) -> dict:
+    """The DeepSeek MTP draft model's storages: the layer converted as the main model's, then
+    names rewritten as DeepSeekMTP._rewrite_spec_layer_name does with checkpoint names
+    (``model.layers.61.*`` -> ``model.layers.61.mtp_block.*`` except enorm, hnorm, eh_proj,
+    shared_head; the shared embed_tokens -> top level ``model.embed_tokens``)."""
+    L = cfg.num_hidden_layers
+    _, _, t = vllm_rank(rank, par)
+    main = vllm_reference(cfg, sd, par, rank, layers=[L])
+    # the checkpoint's MTP copies of the embedding and head carry the model's bytes
+    ckpt = {f"model.layers.{L}.embed_tokens.weight": main.pop("model.embed_tokens.weight"),
+            f"model.layers.{L}.shared_head.head.weight": main.pop("lm_head.weight")}
+    ckpt.update(main)
+    P = f"model.layers.{L}."
+    for n in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"):
+        ckpt[P + n] = sd[P + n]      # RMSNorm / nn.Linear default loaders: whole tensor
+    out = {}
+    for name, v in ckpt.items():
+        spec = next((w for w in ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head")
+                     if w in name), None)
+        if spec is None:
+            name = name.replace(P, P + "mtp_block.")
+        elif spec == "embed_tokens":
+            name = name.replace(P, "model.")
+        out[name] = v
     return out
 
 
@@ -327,3 +355,40 @@ def test_rank_numbering():
     assert m.expert_grid(0).tolist() == [[[0], [1], [2], [3]], [[4], [5], [6], [7]]]
     v = VLLMSide(d, VLLM(tp=2, pp=2, dp=2))
     assert v.grid(1).tolist() == [[2, 3], [6, 7]]
+
+
+def _with_mtp(cfg, model, seed=7):
+    """The model's state dict plus random MTP layers under their checkpoint names."""
+    from ray_reshard.models import hf_parameter_shapes
+    sd = dict(model.state_dict())
+    g = torch.Generator().manual_seed(seed)
+    for n, shape in hf_parameter_shapes(cfg, mtp=True).items():
+        if n not in sd:
+            sd[n] = torch.randn(shape, generator=g)
+    return sd
+
+
+@pytest.mark.parametrize("par", [VLLM(tp=2, ep=2, dp=2), VLLM(tp=4), VLLM(tp=2, dp=2, ep=4)])
+def test_vllm_mtp_draft_matches_reference(par):
+    cfg, model = make_model("deepseek_v3")
+    sd = _with_mtp(cfg, model)
+    draft = VLLM(tp=par.tp, dp=par.dp, ep=par.ep, engine_dp=par.engine_dp, model="mtp")
+    for r in range(draft.world):
+        got = local_state(cfg, draft, "dst", r, sd)
+        assert set(got) == set(storage_shapes(cfg, draft, r))
+        want = vllm_mtp_reference(cfg, sd, draft, r)
+        assert "model.layers.3.mtp_block.mlp.experts.routed_experts.w13_weight" in want
+        _compare(got, want, f"{draft} rank {r}")
+
+
+@pytest.mark.parametrize("par", [Megatron(tp=2, pp=2, ep=2, etp=1, first_stage_layers=1, mtp=True),
+                                 Megatron(tp=2, pp=2, vpp=1, mtp=True, last_stage_layers=2,
+                                          experts="stacked"),
+                                 Megatron(tp=1, ep=2, dp=2, mtp=True)])
+def test_megatron_mtp_matches_reference(par):
+    cfg, model = make_model("deepseek_v3")
+    sd = _with_mtp(cfg, model)
+    for r in range(par.world):
+        got = local_state(cfg, par, "src", r, sd)
+        assert set(got) == set(storage_shapes(cfg, par, r))
+        _compare(got, megatron_reference(cfg, sd, par, r), f"{par} rank {r}")

@@ -166,3 +166,25 @@ def test_bench_llama70b_real_size():
     assert m["share"] == 1.0
     assert m["network"] == m["bound"]
     assert m["gb"] > 5 * m["network"]
+
+
+def test_mtp_refit_megatron_to_vllm_draft():
+    """Megatron's mtp.layers.0 (last stage) -> vLLM's DeepSeek MTP draft model, with the
+    draft's embedding and shared head fed from the model's embedding and output layer."""
+    from ray_reshard.models import hf_parameter_shapes
+    cfg, model = make_model("deepseek_v3")
+    sd = dict(model.state_dict())
+    g = torch.Generator().manual_seed(5)
+    for n, shape in hf_parameter_shapes(cfg, mtp=True).items():
+        sd.setdefault(n, torch.randn(shape, generator=g))
+    train = Megatron(tp=2, pp=2, ep=2, etp=1, first_stage_layers=1, mtp=True)
+    draft = VLLM(tp=2, dp=2, ep=4, model="mtp")
+    out = run_refit(cfg, model, train, draft, state_dict=sd)
+    assert "model.layers.3.eh_proj.weight" in out and "lm_head.weight" in out
+    for k, v in out.items():
+        assert torch.equal(v, sd[k]), k
+    # the main model's refit from the same trainer leaves the MTP layer out
+    main = refit_specs(cfg, train, VLLM(tp=2))
+    assert not any(n.startswith("model.layers.3.") for n in main)
+    with pytest.raises(ValueError, match="Megatron\\(mtp=True\\)"):
+        refit_specs(cfg, Megatron(tp=2, ep=2, etp=1), draft)
