@@ -25,13 +25,10 @@ from typing import Any
 
 
 def current_actor() -> Any:
-    """The handle of the Ray actor this code runs in (raises outside an actor)."""
+    """The handle of the Ray actor this code runs in (Ray raises RuntimeError outside one)."""
     import ray
 
-    handle = ray.get_runtime_context().current_actor
-    if handle is None:
-        raise RuntimeError("not running inside a Ray actor")
-    return handle
+    return ray.get_runtime_context().current_actor
 
 
 def _worker_actor(worker) -> Any:

@@ -60,10 +60,8 @@ from vllm.distributed.weight_transfer.base import (TrainerInitInfo, TrainerWeigh
                                                    WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 
-from ..core.layout import Layout
-from ..core.mesh import Mesh
-from ..core.placement import Replicate
-from ..core.spec import Slot, TensorSpec
+import ray_reshard as rr
+
 from ..models import Recipe, hf_parameter_shapes, storage_shapes
 
 BACKEND = "ray_reshard"
@@ -156,7 +154,9 @@ class RayReshardWeightTransferEngine(WeightTransferEngine[RayReshardInitInfo, Ra
 
     init_info_cls = RayReshardInitInfo
     update_info_cls = RayReshardUpdateInfo
-    supports_draft_weight_update = True
+    # the recipes describe the MTP draft (VLLM(model="mtp")), but this engine describes and
+    # exposes the model it was initialised with: draft updates are not wired here
+    supports_draft_weight_update = False
 
     def __init__(self, config, vllm_config, device, model):
         super().__init__(config, vllm_config, device, model)
@@ -288,9 +288,9 @@ def plan_specs(config: Any, train, infer, described: list[dict], dtype=torch.bfl
             continue
         ranks = sorted({r for r, _ in spec.dst_slots})
         hf_name = pc.hf
-        slot = Slot(FULL + hf_name, pc.index, pc.dim, pc.offset)
-        dst = Layout(Mesh(ranks, ("workers",)), (Replicate(),))
-        specs[pc.name] = TensorSpec(spec.shape, spec.dtype, spec.src, dst,
+        slot = rr.Slot(FULL + hf_name, pc.index, pc.dim, pc.offset)
+        dst = rr.Layout(rr.Mesh(ranks, ("workers",)), (rr.Replicate(),))
+        specs[pc.name] = rr.TensorSpec(spec.shape, spec.dtype, spec.src, dst,
                                     src_dtype=spec.src_dtype, src_slots=spec.src_slots,
                                     dst_slots={r: slot for r in ranks})
         for r in ranks:
@@ -357,8 +357,6 @@ class RayReshardTrainerEngine(TrainerWeightTransferEngine[RayReshardTrainerInitI
         if len(info.dst_actors) != info.infer.world:
             raise ValueError(f"{info.infer} has {info.infer.world} ranks, got "
                              f"{len(info.dst_actors)} vLLM worker actors")
-        from ..runtime.group import ReshardGroup
-
         client.init_weight_transfer_engine({"key": info.key})
         described = ray.get([a.__ray_call__.remote(_describe, info.key) for a in info.dst_actors])
         engine.specs, staging = plan_specs(info.config, info.train, info.infer, described,
@@ -366,7 +364,7 @@ class RayReshardTrainerEngine(TrainerWeightTransferEngine[RayReshardTrainerInitI
         ray.get([a.__ray_call__.remote(_configure, info.key, st)
                  for a, st in zip(info.dst_actors, staging)])
         engine.fallback = {r: sorted(st) for r, st in enumerate(staging) if st}
-        engine.group = ReshardGroup(engine.src_actors, info.dst_actors,
+        engine.group = rr.ReshardGroup(engine.src_actors, info.dst_actors,
                                     tensors=functools.partial(local_tensors, info.key),
                                     **info.group_options)
         return engine
