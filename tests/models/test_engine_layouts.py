@@ -381,12 +381,14 @@ def test_vllm_mtp_draft_matches_reference(par):
         _compare(got, want, f"{draft} rank {r}")
 
 
-@pytest.mark.parametrize("par", [Megatron(tp=2, pp=2, ep=2, etp=1, first_stage_layers=1, mtp=True),
-                                 Megatron(tp=2, pp=2, vpp=1, mtp=True, last_stage_layers=2,
-                                          experts="stacked"),
-                                 Megatron(tp=1, ep=2, dp=2, mtp=True)])
-def test_megatron_mtp_matches_reference(par):
-    cfg, model = make_model("deepseek_v3")
+@pytest.mark.parametrize("layers,par", [
+    (3, Megatron(tp=2, pp=2, ep=2, etp=1, first_stage_layers=1, mtp=True)),
+    (3, Megatron(tp=2, pp=2, mtp=True, last_stage_layers=2, experts="stacked")),
+    (3, Megatron(tp=1, ep=2, dp=2, mtp=True)),
+    (4, Megatron(tp=1, pp=2, vpp=2, ep=2, dp=2, mtp=True)),     # MTP on the last chunk
+])
+def test_megatron_mtp_matches_reference(layers, par):
+    cfg, model = make_model("deepseek_v3", num_hidden_layers=layers)
     sd = _with_mtp(cfg, model)
     for r in range(par.world):
         got = local_state(cfg, par, "src", r, sd)

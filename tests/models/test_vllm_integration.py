@@ -53,13 +53,11 @@ def build_model(rank: int):
         for name, t in store.items():
             *path, leaf = name.split(".")
             module(path).register_parameter(leaf, torch.nn.Parameter(t.clone(), requires_grad=False))
-    backend = types.SimpleNamespace(name="TRITON")
     for l in (1, 2):
         experts = module(f"model.layers.{l}.mlp.experts.routed_experts".split("."))
         name = "FLASHINFER_CUTLASS" if l == FALLBACK_LAYER else "TRITON"
         experts.quant_method = type("UnquantizedFusedMoEMethod", (), {})()
         experts.quant_method.unquantized_backend = types.SimpleNamespace(name=name)
-    del backend
 
     class MLAAttention(torch.nn.Module):
         def __init__(self, kv_b_proj):
