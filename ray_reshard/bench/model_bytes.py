@@ -38,20 +38,24 @@ DEEPSEEK_V3 = {
     "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
     "moe_layer_freq": 1, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
     "qk_rope_head_dim": 64, "v_head_dim": 128, "tie_word_embeddings": False,
+    "topk_method": "noaux_tc", "num_nextn_predict_layers": 1,
 }
 
-# name -> (config, [(train, infer), ...]); the first layout of each is the brief's.
+# name -> (config, [(train, infer), ...]); the first layout of each is the brief's. Megatron
+# needs the first/last stage sizes when the layers do not divide over the stages.
+QWEN3_PP8 = dict(pp=8, first_stage_layers=11, last_stage_layers=11)      # 11 + 6 x 12 + 11
+DSV3_PP16 = dict(pp=16, first_stage_layers=3, last_stage_layers=2)       # 3 + 14 x 4 + 2
 CASES = {
     "llama70b": ("Llama-3-70B", LLAMA3_70B, [
         (Megatron(tp=8, pp=4), VLLM(tp=8, dp=4)),
     ]),
     "qwen3-235b": ("Qwen3-235B-A22B", QWEN3_235B, [
-        (Megatron(tp=4, pp=8, ep=16, etp=1, dp=4), VLLM(tp=8, dp=16)),
-        (Megatron(tp=4, pp=8, ep=16, etp=1, dp=4), VLLM(tp=8, dp=16, ep=8)),
+        (Megatron(tp=4, ep=16, etp=1, dp=4, **QWEN3_PP8), VLLM(tp=8, dp=16)),
+        (Megatron(tp=4, ep=16, etp=1, dp=4, **QWEN3_PP8), VLLM(tp=8, dp=16, ep=8)),
     ]),
     "deepseek-v3": ("DeepSeek-V3", DEEPSEEK_V3, [
-        (Megatron(tp=1, pp=16, ep=16, etp=1, dp=16), VLLM(tp=32, dp=8)),
-        (Megatron(tp=1, pp=16, ep=16, etp=1, dp=16), VLLM(tp=32, dp=8, ep=32)),
+        (Megatron(tp=1, ep=16, etp=1, dp=16, **DSV3_PP16), VLLM(tp=32, dp=8)),
+        (Megatron(tp=1, ep=16, etp=1, dp=16, **DSV3_PP16), VLLM(tp=32, dp=8, ep=32)),
     ]),
 }
 

@@ -7,7 +7,8 @@
     plan = ray_reshard.plan(specs, src_domains, dst_domains)
 
 Families: Llama (and Mistral), Qwen2, Qwen3 (q_norm/k_norm), Qwen3-MoE, DeepSeek-V3 (MLA with
-or without q_lora_rank, dense first layers, routed + shared experts, routing bias). `config` is
+or without q_lora_rank, dense first layers, routed + shared experts, routing bias for
+topk_method "noaux_tc", MTP layers). `config` is
 a HF config dict, a path to config.json (or its directory), or a transformers PretrainedConfig.
 
 Logical tensors
@@ -20,23 +21,25 @@ Logical tensors
     `pieces`. `hf_experts` chooses the HF expert naming: "fused" (transformers >= 5 modules),
     "split" (checkpoint files, transformers 4: one 2-d tensor per expert) or "auto".
 
-Engine storages (`sides`)
-    Each engine's own names, fusion and padding, expressed with Slots, so the bytes land
-    directly in the engine's parameters: Megatron linear_qkv [q_g; k_g; v_g] per query group,
-    linear_fc1 = [gate; up], experts per local expert (TE grouped ``weight{i}``, sequential) or
-    stacked, padded vocabulary (make_vocab_size_divisible_by * tp); vLLM qkv_proj = [q; k; v]
-    per TP rank (kv heads replicated when tp > kv heads), gate_up_proj, FusedMoE w13/w2 with
-    tensor or expert parallelism, fused_qkv_a_proj for MLA, vocabulary padded to 64 rows and cut
-    in VocabParallelEmbedding's per-rank blocks (padding rows are never written).
-
-Rank numbering: see `parallel` (Megatron tp-cp-ep-dp-pp, tp fastest; vLLM dp, pp, tp).
+Engines, one module each (`megatron`, `vllm`) over a shared description of an engine's
+storage (`storage`): each engine's own names, fusion and padding, expressed with Slots, so the
+bytes land directly in the engine's parameters: Megatron linear_qkv [q_g; k_g; v_g] per query
+group, linear_fc1 = [gate; up], experts per local expert (TE grouped ``weight{i}``, sequential)
+or stacked, padded vocabulary (make_vocab_size_divisible_by * tp), virtual pipeline chunks,
+uneven first/last stages, MTP layers; vLLM qkv_proj = [q; k; v] per TP rank (kv heads
+replicated when tp > kv heads), gate_up_proj, routed experts w13/w2 with tensor or expert
+parallelism over an engine's dp x tp ranks (linear or round-robin placement, uneven counts),
+fused_qkv_a_proj for MLA, vocabulary padded to 64 rows and cut in VocabParallelEmbedding's
+per-rank blocks (padding rows are never written), the DeepSeek MTP draft model. Rank
+numbering: see each engine module (Megatron tp-cp-ep-dp-pp, tp fastest; vLLM dp, pp, tp).
 
 Helpers: `local_state` (a rank's storages from a full HF state dict, either side),
 `empty_storage` (destination storages, padded), `assemble_state_dict` (back to HF),
 `padding_mask`, `storage_shapes`, `tied_aliases`, `hf_parameter_shapes`.
 """
 from .config import FAMILIES, ModelDims, model_dims
-from .parallel import VLLM, Megatron
+from .megatron import Megatron
+from .vllm import VLLM
 from .pieces import Piece, enumerate_pieces, resolve_hf_experts
 from .recipe import (Recipe, assemble_state_dict, empty_storage, hf_parameter_shapes,
                      local_state, logical_to_hf, padding_mask, refit_specs, storage_shapes,

@@ -39,7 +39,7 @@ class ModelDims:
     moe_intermediate: int = 0
     moe_layers: frozenset = field(default_factory=frozenset)
     shared_intermediate: int = 0    # shared experts' total intermediate size (0: none)
-    router_bias: bool = False       # DeepSeek-V3 gate.e_score_correction_bias
+    router_bias: bool = False       # gate.e_score_correction_bias (topk_method "noaux_tc")
     # Multi-head latent attention (DeepSeek-V3)
     mla: bool = False
     q_lora_rank: Optional[int] = None
@@ -47,6 +47,9 @@ class ModelDims:
     qk_nope_dim: int = 0
     qk_rope_dim: int = 0
     v_head_dim: int = 0
+    # DeepSeek multi-token prediction layers (num_nextn_predict_layers), numbered after the
+    # decoder layers as in the checkpoints: model.layers.{layers + j}
+    mtp_layers: int = 0
 
     @property
     def query_groups(self) -> int:
@@ -132,14 +135,19 @@ def model_dims(config: Any) -> ModelDims:
     E = int(c.get("n_routed_experts") or 0)
     first = int(c.get("first_k_dense_replace") or 0)
     freq = int(c.get("moe_layer_freq") or 1)
-    moe = frozenset(l for l in range(L) if E > 0 and l >= first and l % freq == 0)
+    mtp = int(c.get("num_nextn_predict_layers") or 0)
+    moe = frozenset(l for l in range(L + mtp) if E > 0 and l >= first and l % freq == 0)
     n_shared = int(c.get("n_shared_experts") or 0)
     mi = need("moe_intermediate_size") if moe else 0
     q_lora = c.get("q_lora_rank")
     if c.get("attention_bias"):
         raise NotImplementedError("DeepSeek-V3 with attention_bias=True is not supported")
+    # vLLM allocates gate.e_score_correction_bias only for topk_method == "noaux_tc"
+    # (DeepseekV2MoE); Megatron's router keeps expert_bias for the same models.
+    bias = bool(moe) and c.get("topk_method") == "noaux_tc"
     return ModelDims(**common, experts=E, moe_intermediate=mi, moe_layers=moe,
-                     shared_intermediate=mi * n_shared, router_bias=bool(moe), mla=True,
+                     shared_intermediate=mi * n_shared, router_bias=bias, mla=True,
+                     mtp_layers=mtp,
                      q_lora_rank=None if q_lora is None else int(q_lora),
                      kv_lora_rank=need("kv_lora_rank"), qk_nope_dim=need("qk_nope_head_dim"),
                      qk_rope_dim=need("qk_rope_head_dim"), v_head_dim=need("v_head_dim"))

@@ -62,16 +62,18 @@ def resolve_hf_experts(hf_experts: str) -> str:
 
 
 def enumerate_pieces(d: ModelDims, *, split_groups: bool, per_expert: bool,
-                     hf_experts: str) -> list[Piece]:
-    """All pieces of the model, in HF state-dict order."""
+                     hf_experts: str, mtp: bool = False) -> list[Piece]:
+    """All pieces of the model, in HF state-dict order; with `mtp`, then the multi-token
+    prediction layers under their checkpoint names (``model.layers.{num_hidden_layers + j}``:
+    enorm, hnorm, eh_proj, shared_head.norm and a decoder layer; the MTP embedding and head are
+    the model's own ``model.embed_tokens.weight`` / ``lm_head.weight`` pieces)."""
     out: list[Piece] = []
     H = d.hidden
 
     def add(name, shape, kind, layer=None, hf=None, **kw):
         out.append(Piece(name, hf or name, tuple(shape), kind, layer, **kw))
 
-    add("model.embed_tokens.weight", (d.vocab, H), "embed")
-    for l in range(d.layers):
+    def layer(l):
         p = f"model.layers.{l}."
         add(p + "input_layernorm.weight", (H,), "in_norm", l)
         if d.mla:
@@ -144,16 +146,35 @@ def enumerate_pieces(d: ModelDims, *, split_groups: bool, per_expert: bool,
             add(p + "mlp.up_proj.weight", (I, H), "up", l)
             add(p + "mlp.down_proj.weight", (H, I), "down", l)
         add(p + "post_attention_layernorm.weight", (H,), "post_norm", l)
+
+    add("model.embed_tokens.weight", (d.vocab, H), "embed")
+    for l in range(d.layers):
+        layer(l)
     add("model.norm.weight", (H,), "final_norm")
     if not d.tie:
         add("lm_head.weight", (d.vocab, H), "lm_head")
+    if mtp:
+        for l in range(d.layers, d.layers + d.mtp_layers):
+            p = f"model.layers.{l}."
+            add(p + "enorm.weight", (H,), "mtp_enorm", l)
+            add(p + "hnorm.weight", (H,), "mtp_hnorm", l)
+            add(p + "eh_proj.weight", (H, 2 * H), "mtp_eh", l)
+            layer(l)
+            add(p + "shared_head.norm.weight", (H,), "mtp_norm", l)
     return out
 
 
-def hf_shapes(d: ModelDims, hf_experts: str) -> dict[str, tuple[int, ...]]:
-    """Shape of every HF parameter the pieces cover (tied lm_head excluded)."""
+def is_mtp(d: ModelDims, pc: Piece) -> bool:
+    """Whether the piece belongs to a multi-token prediction layer."""
+    return pc.layer is not None and pc.layer >= d.layers
+
+
+def hf_shapes(d: ModelDims, hf_experts: str, mtp: bool = False) -> dict[str, tuple[int, ...]]:
+    """Shape of every HF parameter the pieces cover (tied lm_head excluded; MTP layers only
+    with `mtp`)."""
     out: dict[str, tuple[int, ...]] = {}
-    for pc in enumerate_pieces(d, split_groups=False, per_expert=False, hf_experts=hf_experts):
+    for pc in enumerate_pieces(d, split_groups=False, per_expert=False, hf_experts=hf_experts,
+                               mtp=mtp):
         if pc.hf == pc.name:
             out[pc.hf] = pc.shape
         elif pc.dim == 1 and pc.kind in ("e_gate", "e_up"):

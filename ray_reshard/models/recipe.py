@@ -12,7 +12,7 @@ from ..core.slicing import assemble as _assemble
 from ..core.spec import TensorSpec
 from .config import ModelDims, model_dims
 from .pieces import Piece, enumerate_pieces, hf_shapes, resolve_hf_experts
-from .sides import Side, StorageDecl, make_side
+from .storage import EngineSide, StorageDecl, make_side
 
 SIDES = {"src": "src", "train": "src", "dst": "dst", "infer": "dst"}
 
@@ -46,13 +46,20 @@ class Recipe:
     def __init__(self, config: Any, src, dst, hf_experts: str = "auto"):
         self.dims: ModelDims = model_dims(config)
         self.hf_experts = resolve_hf_experts(hf_experts)
-        self.src: Side = make_side(self.dims, src)
-        self.dst: Side = make_side(self.dims, dst)
-        self.pieces: list[Piece] = enumerate_pieces(
+        self.src: EngineSide = make_side(self.dims, src)
+        self.dst: EngineSide = make_side(self.dims, dst)
+        pieces = enumerate_pieces(
             self.dims,
             split_groups=self.src.needs_group_split or self.dst.needs_group_split,
             per_expert=self.src.needs_expert_split or self.dst.needs_expert_split,
-            hf_experts=self.hf_experts)
+            hf_experts=self.hf_experts, mtp=self.dims.mtp_layers > 0)
+        # what the destination keeps; the source must keep all of it
+        self.pieces: list[Piece] = [pc for pc in pieces if self.dst.holds(pc)]
+        for pc in self.pieces:
+            if not self.src.holds(pc):
+                raise ValueError(f"{pc.name}: the destination ({self.dst.name}) keeps it but "
+                                 f"the source ({self.src.name}) does not (e.g. an MTP layer: "
+                                 f"Megatron(mtp=True))")
 
     def specs(self, dtype: torch.dtype = torch.bfloat16,
               src_dtype: Optional[torch.dtype] = None) -> dict[str, TensorSpec]:
@@ -85,13 +92,14 @@ def refit_specs(config: Any, train, infer, dtype: torch.dtype = torch.bfloat16,
     return Recipe(config, train, infer, hf_experts).specs(dtype, train_dtype)
 
 
-def _side_pieces(config: Any, parallel, hf_experts: str) -> tuple[ModelDims, Side, list[Piece]]:
+def _side_pieces(config: Any, parallel, hf_experts: str
+                 ) -> tuple[ModelDims, EngineSide, list[Piece]]:
     dims = model_dims(config)
     side = make_side(dims, parallel)
     pieces = enumerate_pieces(dims, split_groups=side.needs_group_split,
                               per_expert=side.needs_expert_split,
-                              hf_experts=resolve_hf_experts(hf_experts))
-    return dims, side, pieces
+                              hf_experts=resolve_hf_experts(hf_experts), mtp=dims.mtp_layers > 0)
+    return dims, side, [pc for pc in pieces if side.holds(pc)]
 
 
 def _check_side(side: str) -> str:
@@ -186,7 +194,7 @@ def assemble_state_dict(config: Any, parallel, storages: Union[Sequence[Mapping[
     dims, sd, pieces = _side_pieces(config, parallel, hf_experts)
     if not isinstance(storages, Mapping):
         storages = dict(enumerate(storages))
-    shapes = hf_shapes(dims, resolve_hf_experts(hf_experts))
+    shapes = hf_shapes(dims, resolve_hf_experts(hf_experts), mtp=True)
     out: dict[str, torch.Tensor] = {}
     for pc in pieces:
         layout, slots = sd.place(pc)
@@ -211,9 +219,11 @@ def tied_aliases(config: Any) -> dict[str, str]:
     return {"lm_head.weight": "model.embed_tokens.weight"} if model_dims(config).tie else {}
 
 
-def hf_parameter_shapes(config: Any, hf_experts: str = "auto") -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every HF parameter a refit covers (tied aliases excluded)."""
-    return hf_shapes(model_dims(config), resolve_hf_experts(hf_experts))
+def hf_parameter_shapes(config: Any, hf_experts: str = "auto", mtp: bool = False
+                        ) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every HF parameter a refit covers (tied aliases excluded); with
+    `mtp`, also the multi-token prediction layers' (checkpoint names, model.layers.{L + j})."""
+    return hf_shapes(model_dims(config), resolve_hf_experts(hf_experts), mtp=mtp)
 
 
 def logical_to_hf(specs_or_recipe) -> dict[str, str]:

@@ -27,13 +27,18 @@ MLA = {"model_type": "deepseek_v3", "vocab_size": 300, "hidden_size": 32, "inter
 def layouts(draw):
     cfg = draw(st.sampled_from([DENSE, MOE, MLA]))
     small = st.sampled_from([1, 2])
-    train = dict(tp=draw(st.sampled_from([1, 2, 4])), pp=draw(st.sampled_from([1, 2, 3])),
+    pp = draw(st.sampled_from([1, 2, 3]))
+    train = dict(tp=draw(st.sampled_from([1, 2, 4])), pp=pp,
+                 # 3 layers: Megatron needs the first stage's size for pp=2
+                 first_stage_layers=2 if pp == 2 else None,
                  dp=draw(small), cp=draw(small), ep=draw(st.sampled_from([1, 2, 4])),
                  etp=draw(st.sampled_from([None, 1])),
                  experts=draw(st.sampled_from(["grouped", "sequential", "stacked"])))
     tp = draw(st.sampled_from([1, 2, 4, 8]))
-    infer = VLLM(tp=tp, dp=draw(small), pp=draw(st.sampled_from([1, 2])),
-                 ep=draw(st.sampled_from([1, tp])))
+    engine_dp = draw(small)
+    infer = VLLM(tp=tp, dp=engine_dp * draw(small), pp=draw(st.sampled_from([1, 2])),
+                 ep=draw(st.sampled_from([1, tp * engine_dp])), engine_dp=engine_dp,
+                 expert_placement=draw(st.sampled_from(["linear", "round_robin"])))
     return cfg, train, infer, draw(st.sampled_from(["fused", "split"])), draw(st.integers(0, 3))
 
 

@@ -3,39 +3,48 @@ vLLM storages, checked bit-exactly, padding untouched, then logits of the reasse
 import pytest
 import torch
 
-from ray_reshard.models import VLLM, Megatron, refit_specs
+from ray_reshard.models import VLLM, Megatron, refit_specs, storage_shapes
 from models_testutil import check_logits, make_model, run_refit
 
 CASES = [
     # id, family, config overrides, train, infer, dtype, train dtype
     ("llama-gqa-tp>kv-pp2-bf16", "llama", {},
-     Megatron(tp=2, pp=2, dp=2), VLLM(tp=4, dp=2), torch.bfloat16, torch.float32),
+     Megatron(tp=2, pp=2, dp=2, first_stage_layers=2), VLLM(tp=4, dp=2), torch.bfloat16, torch.float32),
     ("llama-bias-groups-interleaved", "llama", {"attention_bias": True},
      Megatron(tp=1, pp=3, dp=2), VLLM(tp=2, dp=2), torch.float32, None),
     ("qwen2-bias-tp8>kv", "qwen2", {},
-     Megatron(tp=1, pp=2, dp=2, cp=2), VLLM(tp=8), torch.float32, None),
+     Megatron(tp=1, pp=2, dp=2, cp=2, last_stage_layers=1), VLLM(tp=8), torch.float32, None),
     ("qwen2-tp<kv", "qwen2", {"num_key_value_heads": 4},
      Megatron(tp=2, pp=1, dp=2), VLLM(tp=2, dp=3), torch.float32, None),
     ("qwen3-tied-pp2-both", "qwen3", {"tie_word_embeddings": True},
-     Megatron(tp=2, pp=2, dp=1), VLLM(tp=2, pp=2, dp=2), torch.bfloat16, torch.float32),
+     Megatron(tp=2, pp=2, dp=1, last_stage_layers=2), VLLM(tp=2, pp=2, dp=2), torch.bfloat16, torch.float32),
     ("qwen3-tied-pp1", "qwen3", {"tie_word_embeddings": True, "num_key_value_heads": 8},
      Megatron(tp=4, dp=1), VLLM(tp=8), torch.float32, None),
     ("qwen3moe-ep-train-tp-infer", "qwen3_moe", {},
      Megatron(tp=2, ep=4, etp=1, dp=2), VLLM(tp=4, dp=2), torch.bfloat16, torch.float32),
     ("qwen3moe-tp-train-ep-infer-stacked", "qwen3_moe", {},
-     Megatron(tp=2, etp=2, ep=1, pp=2, experts="stacked"), VLLM(tp=2, ep=2, dp=2),
+     Megatron(tp=2, etp=2, ep=1, pp=2, first_stage_layers=1, experts="stacked"), VLLM(tp=2, ep=2, dp=2),
      torch.float32, None),
     ("qwen3moe-etp-ep-sequential", "qwen3_moe", {"decoder_sparse_step": 1, "mlp_only_layers": []},
      Megatron(tp=2, etp=2, ep=2, dp=2, experts="sequential"), VLLM(tp=4, ep=4),
      torch.float32, None),
     ("deepseekv3-mla-pp-ep", "deepseek_v3", {},
-     Megatron(tp=1, pp=2, ep=4, dp=4), VLLM(tp=4, ep=4, dp=2), torch.bfloat16, torch.float32),
+     Megatron(tp=1, pp=2, ep=4, dp=4, layers_per_stage=(1, 2)), VLLM(tp=4, ep=4, dp=2), torch.bfloat16, torch.float32),
     ("deepseekv3-no-qlora-tp", "deepseek_v3", {"q_lora_rank": None},
      Megatron(tp=2, etp=1, ep=2, dp=1, experts="stacked"), VLLM(tp=2, dp=2),
      torch.float32, None),
+    ("qwen3moe-vpp-to-engine-dp-ep", "qwen3_moe", {"num_hidden_layers": 4, "mlp_only_layers": []},
+     Megatron(tp=1, pp=2, vpp=2, ep=2, dp=2), VLLM(tp=2, dp=2, ep=4), torch.bfloat16, torch.float32),
+    ("qwen3moe-engine-dp-no-ep", "qwen3_moe", {},
+     Megatron(tp=2, ep=2, etp=1, dp=2), VLLM(tp=2, dp=4, engine_dp=2), torch.float32, None),
+    ("qwen3moe-10-experts-round-robin", "qwen3_moe", {"num_experts": 10},
+     Megatron(tp=2, ep=2, etp=1, dp=1, experts="stacked"),
+     VLLM(tp=4, dp=2, ep=4, expert_placement="round_robin"), torch.float32, None),
+    ("deepseekv3-engine-dp-shared-replicated", "deepseek_v3", {},
+     Megatron(tp=2, pp=3, ep=2, etp=1, dp=1), VLLM(tp=2, dp=4, ep=4), torch.float32, None),
     # the recipes are symmetric: vLLM storages back into Megatron's (e.g. to seed a trainer)
     ("reverse-vllm-to-megatron", "qwen3_moe", {"tie_word_embeddings": True},
-     VLLM(tp=2, ep=2, dp=2), Megatron(tp=2, ep=2, etp=1, pp=2), torch.float32, None),
+     VLLM(tp=2, ep=2, dp=2), Megatron(tp=2, ep=2, etp=1, pp=2, first_stage_layers=2), torch.float32, None),
 ]
 
 
@@ -99,14 +108,41 @@ def test_dtype_and_router_bias_dtype():
     assert q.dtype == torch.bfloat16 and q.source_dtype == torch.float32
 
 
+def test_routing_bias_only_for_noaux_tc():
+    """vLLM allocates gate.e_score_correction_bias only for topk_method "noaux_tc"."""
+    cfg, model = make_model("deepseek_v3", topk_method="greedy")
+    specs = refit_specs(cfg, Megatron(ep=2, dp=2), VLLM(tp=2, ep=2))
+    assert not any("e_score_correction_bias" in n for n in specs)
+    for r in range(2):
+        assert not any("e_score_correction_bias" in n for n in storage_shapes(cfg, VLLM(tp=2, ep=2), r))
+        assert not any("expert_bias" in n for n in storage_shapes(cfg, Megatron(ep=2, dp=2), r))
+    hf_sd = run_refit(cfg, model, Megatron(ep=2, dp=2), VLLM(tp=2, ep=2))
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" not in hf_sd
+
+
+def test_megatron_uneven_pipeline_is_refused_without_stage_sizes():
+    cfg, _ = make_model("llama")                               # 3 layers
+    with pytest.raises(ValueError, match="not divisible by pp=2.*first_stage_layers"):
+        refit_specs(cfg, Megatron(pp=2), VLLM(tp=2))
+    with pytest.raises(ValueError, match="not divisible over the 2 other stages"):
+        refit_specs(cfg, Megatron(pp=3, first_stage_layers=2), VLLM(tp=2))
+    with pytest.raises(ValueError, match="vpp=2"):
+        refit_specs(cfg, Megatron(pp=2, vpp=2, first_stage_layers=2), VLLM(tp=2))
+    specs = refit_specs(cfg, Megatron(pp=2, first_stage_layers=1), VLLM(tp=2))
+    src = specs["model.layers.1.mlp.down_proj.weight"].src_slots
+    assert {slot.storage for _, slot in src} == {"decoder.layers.0.mlp.linear_fc2.weight"}
+
+
 def test_bad_layouts_are_refused():
     cfg, _ = make_model("llama")
     with pytest.raises(ValueError, match="query groups"):
         refit_specs(cfg, Megatron(tp=4), VLLM(tp=2))          # 2 kv heads over tp 4
     with pytest.raises(ValueError, match="not divisible"):
         refit_specs(cfg, Megatron(tp=2), VLLM(tp=3))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="ep must be 1 or engine_dp"):
         VLLM(tp=4, ep=2)
+    with pytest.raises(ValueError, match="ep must be 1 or engine_dp"):
+        VLLM(tp=2, dp=4, ep=4, engine_dp=1)
     with pytest.raises(ValueError):
         Megatron(tp=2, dp=1, ep=4)                             # 2 ranks per stage < ep
 
@@ -130,3 +166,25 @@ def test_bench_llama70b_real_size():
     assert m["share"] == 1.0
     assert m["network"] == m["bound"]
     assert m["gb"] > 5 * m["network"]
+
+
+def test_mtp_refit_megatron_to_vllm_draft():
+    """Megatron's mtp.layers.0 (last stage) -> vLLM's DeepSeek MTP draft model, with the
+    draft's embedding and shared head fed from the model's embedding and output layer."""
+    from ray_reshard.models import hf_parameter_shapes
+    cfg, model = make_model("deepseek_v3")
+    sd = dict(model.state_dict())
+    g = torch.Generator().manual_seed(5)
+    for n, shape in hf_parameter_shapes(cfg, mtp=True).items():
+        sd.setdefault(n, torch.randn(shape, generator=g))
+    train = Megatron(tp=2, pp=2, ep=2, etp=1, first_stage_layers=1, mtp=True)
+    draft = VLLM(tp=2, dp=2, ep=4, model="mtp")
+    out = run_refit(cfg, model, train, draft, state_dict=sd)
+    assert "model.layers.3.eh_proj.weight" in out and "lm_head.weight" in out
+    for k, v in out.items():
+        assert torch.equal(v, sd[k]), k
+    # the main model's refit from the same trainer leaves the MTP layer out
+    main = refit_specs(cfg, train, VLLM(tp=2))
+    assert not any(n.startswith("model.layers.3.") for n in main)
+    with pytest.raises(ValueError, match="Megatron\\(mtp=True\\)"):
+        refit_specs(cfg, Megatron(tp=2, ep=2, etp=1), draft)

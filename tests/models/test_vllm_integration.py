@@ -1,0 +1,253 @@
+"""The ray_reshard backend of vLLM's weight-transfer API, end to end on a Ray cluster.
+
+Real: vLLM 0.33's weight_transfer base classes, factories, WeightTransferConfig and
+TrainerInitInfo; our engines built through those factories; ReshardGroup over real actors.
+Stand-ins for what cannot run here (vLLM's model classes and engine need its CUDA build): the
+worker model is an nn.Module with the parameter names and shapes of the recipe, allocated under
+torch.inference_mode() as vLLM allocates; its load_weights records what it is given; the client
+fans the four control calls out to the workers as vLLM's engine client does; an MLA module
+derives W_UK_T from kv_b_proj in process_weights_after_loading; one MoE layer reports the
+FlashInfer CUTLASS backend (which rearranges experts), so its experts take the fallback.
+"""
+import sys
+import types
+
+import pytest
+import ray
+import ray.cloudpickle
+import torch
+
+pytest.importorskip("vllm.distributed.weight_transfer")
+
+from ray_reshard.models import (VLLM, Megatron, empty_storage, hf_parameter_shapes,  # noqa: E402
+                                local_state, padding_mask)
+
+CONFIG = {"model_type": "deepseek_v3", "vocab_size": 300, "hidden_size": 32,
+          "intermediate_size": 48, "moe_intermediate_size": 16, "num_hidden_layers": 3,
+          "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 4,
+          "n_shared_experts": 1, "first_k_dense_replace": 1, "q_lora_rank": 12,
+          "kv_lora_rank": 8, "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 8,
+          "topk_method": "noaux_tc"}
+TRAIN = Megatron(tp=2, ep=2, etp=1)
+INFER = VLLM(tp=2, ep=2)
+FALLBACK_LAYER = 1          # its experts report a backend that rearranges them
+SENTINEL = 7.0
+# the client and helpers below travel to the actors by value
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def build_model(rank: int):
+    """Parameters named and shaped as vLLM keeps them on `rank`, as inference tensors."""
+    root = torch.nn.Module()
+    store = empty_storage(CONFIG, INFER, rank, dtype=torch.bfloat16, fill=SENTINEL)
+
+    def module(path):
+        m = root
+        for part in path:
+            if not hasattr(m, part):
+                m.add_module(part, torch.nn.Module())
+            m = getattr(m, part)
+        return m
+
+    with torch.inference_mode():
+        for name, t in store.items():
+            *path, leaf = name.split(".")
+            module(path).register_parameter(leaf, torch.nn.Parameter(t.clone(), requires_grad=False))
+    for l in (1, 2):
+        experts = module(f"model.layers.{l}.mlp.experts.routed_experts".split("."))
+        name = "FLASHINFER_CUTLASS" if l == FALLBACK_LAYER else "TRITON"
+        experts.quant_method = type("UnquantizedFusedMoEMethod", (), {})()
+        experts.quant_method.unquantized_backend = types.SimpleNamespace(name=name)
+
+    class MLAAttention(torch.nn.Module):
+        def __init__(self, kv_b_proj):
+            super().__init__()
+            self.kv_b_proj = kv_b_proj
+            with torch.inference_mode():
+                self.W_UK_T = torch.nn.Parameter(torch.zeros_like(kv_b_proj.weight), requires_grad=False)
+
+        def process_weights_after_loading(self, act_dtype):
+            self.W_UK_T.data.copy_(self.kv_b_proj.weight.to(act_dtype) * 2)
+
+    for l in range(3):
+        attn = module(f"model.layers.{l}.self_attn".split("."))
+        attn.add_module("mla_attn", MLAAttention(attn.kv_b_proj))
+
+    root.loaded = {}
+
+    def load_weights(weights):
+        for n, t in weights:
+            root.loaded[n] = t.clone()
+        return set(root.loaded)
+    root.load_weights = load_weights
+    return root
+
+
+@ray.remote(num_cpus=0)
+class Worker:
+    """A vLLM worker's part in the protocol: the engine built by vLLM's factory."""
+
+    def __init__(self, rank):
+        from vllm.config.weight_transfer import WeightTransferConfig
+        from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+
+        from ray_reshard.integrations.vllm import RayReshardWeightTransferEngine, register
+        register()
+        self.model = build_model(rank)
+        vllm_config = types.SimpleNamespace(
+            parallel_config=types.SimpleNamespace(),
+            model_config=types.SimpleNamespace(dtype=torch.bfloat16, quantization=None))
+        self.engine = WeightTransferEngineFactory.create_engine(
+            WeightTransferConfig(backend="ray_reshard"), vllm_config, torch.device("cpu"),
+            self.model)
+        assert type(self.engine) is RayReshardWeightTransferEngine
+        self.reloads = []       # vLLM's layerwise reload needs its full install: recorded
+        self.engine.begin_reload = lambda: self.reloads.append("begin")
+        self.engine.end_reload = lambda: self.reloads.append("end")
+
+    def call(self, method, *args):
+        eng = self.engine
+        if method == "init_weight_transfer_engine":
+            return eng.init_transfer_engine(eng.parse_init_info(args[0]))
+        return getattr(eng, method)(*args)
+
+    def state(self):
+        params = {n: p.data.clone() for n, p in self.model.named_parameters()}
+        inference = all(p.is_inference() for p in self.model.parameters())
+        return params, dict(self.model.loaded), list(self.engine.rederived), self.reloads, \
+            self.engine.version, inference
+
+
+class Client:
+    """The four control calls, fanned out to every worker (what vLLM's engine client does)."""
+
+    def __init__(self, workers):
+        self.workers = workers
+
+    def _all(self, method, *args):
+        ray.get([w.call.remote(method, *args) for w in self.workers])
+
+    def init_weight_transfer_engine(self, init_info):
+        self._all("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self):
+        self._all("start_weight_update")
+
+    def update_weights(self, update_info):
+        self._all("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version=None):
+        self._all("finish_weight_update")
+
+
+@ray.remote(num_cpus=0, max_concurrency=4)
+class Trainer:
+    """A trainer rank; like a Ray Train worker it takes calls while its loop waits."""
+
+    def __init__(self, rank, storages):
+        self.rank, self.storages, self.engine = rank, storages, None
+
+    def init(self, src_actors, dst_actors, client):
+        from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+        from ray_reshard.integrations.vllm import RayReshardTrainerInitInfo, register
+        register()
+        info = RayReshardTrainerInitInfo(
+            rank=self.rank, config=CONFIG, train=TRAIN, infer=INFER, dst_actors=dst_actors,
+            src_actors=src_actors, tensors=lambda: self.storages, dtype=torch.bfloat16,
+            train_dtype=torch.float32, timeout_s=120)
+        self.engine = WeightTransferTrainerFactory.trainer_init(info, client=client)
+        return getattr(self.engine, "fallback", None)
+
+    def send(self):
+        self.engine.send_weights()
+        return None if self.engine.last is None else self.engine.last.version
+
+    def bump(self, seed):
+        g = torch.Generator().manual_seed(seed)
+        for t in self.storages.values():
+            t.copy_(torch.randn(t.shape, generator=g))
+
+
+def test_vllm_backend_end_to_end(cluster):
+    from vllm.distributed.weight_transfer import VLLMWeightSyncClient
+
+    g = torch.Generator().manual_seed(0)
+    sd = {n: torch.randn(s, generator=g) for n, s in
+          hf_parameter_shapes(CONFIG, hf_experts="split").items()}
+    workers = [Worker.remote(r) for r in range(INFER.world)]
+    client = Client(workers)
+    assert isinstance(client, VLLMWeightSyncClient)
+    trainers = [Trainer.remote(r, local_state(CONFIG, TRAIN, "src", r, sd, dtype=torch.float32,
+                                              hf_experts="split"))
+                for r in range(TRAIN.world)]
+    fallback = ray.get([t.init.remote(trainers, workers, client) for t in trainers])[0]
+    # the experts of the FlashInfer-CUTLASS layer go whole to staging, each worker its own
+    # (EP 2: worker r holds experts 2r, 2r+1)
+    assert fallback == {r: sorted(f"model.layers.{FALLBACK_LAYER}.mlp.experts.{e}.{p}_proj.weight"
+                                  for e in (2 * r, 2 * r + 1) for p in ("gate", "up", "down"))
+                        for r in range(2)}
+    versions = ray.get([t.send.remote() for t in trainers])
+    assert versions[0] == 1 and versions[1] is None
+
+    for r, w in enumerate(workers):
+        params, loaded, rederived, reloads, version, inference = ray.get(w.state.remote())
+        assert inference and version == 1 and reloads == ["begin", "end"]
+        want = local_state(CONFIG, INFER, "dst", r, sd, dtype=torch.bfloat16, hf_experts="split")
+        pad = padding_mask(CONFIG, INFER, r)
+        for n, t in want.items():
+            if f"layers.{FALLBACK_LAYER}.mlp.experts." in n:
+                assert bool((params[n] == SENTINEL).all()), f"{n} written in place"
+            else:
+                data = ~pad[n]
+                assert torch.equal(params[n][data], t[data]), f"worker {r}: {n}"
+                assert bool((params[n][pad[n]] == SENTINEL).all()), f"worker {r}: padding of {n}"
+        # fallback: whole HF tensors, bit-exact, handed to load_weights
+        assert set(loaded) == set(fallback[r])
+        for n, t in loaded.items():
+            assert torch.equal(t, sd[n].to(torch.bfloat16)), n
+        # derived tensors recomputed from the new kv_b_proj
+        assert sorted(rederived) == [f"model.layers.{l}.self_attn.mla_attn" for l in range(3)]
+        for l in range(3):
+            kvb = params[f"model.layers.{l}.self_attn.kv_b_proj.weight"]
+            assert torch.equal(params[f"model.layers.{l}.self_attn.mla_attn.W_UK_T"], kvb * 2)
+
+    # a second round with new trainer weights
+    ray.get([t.bump.remote(5 + i) for i, t in enumerate(trainers)])
+    assert ray.get([t.send.remote() for t in trainers])[0] == 2
+    params, *_ = ray.get(workers[0].state.remote())
+    assert not torch.equal(params["model.layers.0.self_attn.kv_b_proj.weight"],
+                           local_state(CONFIG, INFER, "dst", 0, sd, dtype=torch.bfloat16,
+                                       hf_experts="split")["model.layers.0.self_attn.kv_b_proj.weight"])
+
+
+def test_plan_specs_refuses_mismatched_workers():
+    from ray_reshard.integrations.vllm import plan_specs
+    from ray_reshard.models import storage_shapes
+
+    def describe(r, drop=None, reshape=None):
+        out = {n: (tuple(s), "bfloat16", None) for n, s in storage_shapes(CONFIG, INFER, r).items()}
+        if drop:
+            del out[drop]
+        if reshape:
+            out[reshape] = ((1,), "bfloat16", None)
+        return out
+
+    name = "model.layers.0.self_attn.kv_b_proj.weight"
+    with pytest.raises(ValueError, match=f"vLLM worker 1: no parameter '{name}'"):
+        plan_specs(CONFIG, TRAIN, INFER, [describe(0), describe(1, drop=name)])
+    with pytest.raises(ValueError, match="vLLM worker 0: .* has shape \\(1,\\)"):
+        plan_specs(CONFIG, TRAIN, INFER, [describe(0, reshape=name), describe(1)])
+    specs, staging = plan_specs(CONFIG, TRAIN, INFER, [describe(0), describe(1)])
+    assert staging == [{}, {}]
+
+
+def test_inference_tensors_are_written_through_aliases():
+    from ray_reshard.integrations.vllm import writable
+
+    with torch.inference_mode():
+        t = torch.zeros(3, 4)
+    a = writable(t)
+    assert not a.is_inference() and a.data_ptr() == t.data_ptr()
+    a[1].fill_(2.0)
+    assert float(t.sum()) == 8.0
