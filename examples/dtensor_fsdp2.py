@@ -11,6 +11,7 @@ checked bit-exactly against `DTensor.full_tensor()`.
     python examples/dtensor_fsdp2.py [--dim 256] [--steps 2]
 """
 import argparse
+import contextlib
 import socket
 
 import ray
@@ -18,6 +19,21 @@ import torch
 
 import ray_reshard as rr
 from ray_reshard.testing import local_cluster
+
+
+@contextlib.contextmanager
+def connect(address):
+    """A running cluster at `address` (its nodes marked with resources "node0", "node1"), or a
+    local two-node one started for this run."""
+    if address is None:
+        with local_cluster(2):
+            yield
+        return
+    ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 WORLD, TP = 4, 2
 
@@ -94,8 +110,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--address", help="connect to this Ray cluster instead of starting one")
     args = ap.parse_args(argv)
-    with local_cluster(2):
+    with connect(args.address):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             master = f"tcp://127.0.0.1:{s.getsockname()[1]}"

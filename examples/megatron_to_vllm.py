@@ -11,6 +11,7 @@ and the engines' logits must equal the trainers' exactly.
     python examples/megatron_to_vllm.py [--layers 2] [--hidden 64]
 """
 import argparse
+import contextlib
 
 import ray
 import torch
@@ -18,6 +19,21 @@ import torch
 import ray_reshard as rr
 from ray_reshard import models
 from ray_reshard.testing import local_cluster
+
+
+@contextlib.contextmanager
+def connect(address):
+    """A running cluster at `address` (its nodes marked with resources "node0", "node1"), or a
+    local two-node one started for this run."""
+    if address is None:
+        with local_cluster(2):
+            yield
+        return
+    ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 def build_model(layers: int, hidden: int):
@@ -63,6 +79,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--address", help="connect to this Ray cluster instead of starting one")
     args = ap.parse_args(argv)
     cfg, model = build_model(args.layers, args.hidden)
     train = models.Megatron(tp=2, pp=2, ep=2, etp=1)      # world 4: TP2 x PP2, experts EP2
@@ -71,7 +88,7 @@ def main(argv=None) -> int:
     state = model.state_dict()
     print(f"Qwen3-MoE, {args.layers} layers: {len(state)} HF parameters as {len(specs)} logical "
           f"tensors; train {train} -> infer {infer}")
-    with local_cluster(2):
+    with connect(args.address):
         trainers = [Holder.options(resources={"node0": 1}).remote(
             models.local_state(cfg, train, "src", r, state)) for r in range(train.world)]
         engines = [Holder.options(resources={"node1": 1}).remote(

@@ -30,8 +30,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--cols", type=int, default=1024)
+    ap.add_argument("--address", default="local",
+                    help="Ray cluster to connect to (default: start a local one)")
     args = ap.parse_args(argv)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address=args.address, include_dashboard=False, log_to_driver=False)
     try:
         full = torch.randn(args.rows, args.cols)
         train = rr.Layout(rr.Mesh([0, 1, 2, 3], ("tp",)), (rr.Shard(0),))                       # TP4

@@ -11,12 +11,28 @@ the previous step's), and every process reports the new version.
     python examples/rl_loop.py [--steps 5] [--vocab 512] [--hidden 256]
 """
 import argparse
+import contextlib
 
 import ray
 import torch
 
 import ray_reshard as rr
 from ray_reshard.testing import local_cluster
+
+
+@contextlib.contextmanager
+def connect(address):
+    """A running cluster at `address` (its nodes marked with resources "node0", "node1"), or a
+    local two-node one started for this run."""
+    if address is None:
+        with local_cluster(2):
+            yield
+        return
+    ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 TP, DP = 2, 2
 
@@ -87,6 +103,7 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--address", help="connect to this Ray cluster instead of starting one")
     args = ap.parse_args(argv)
     V, H, F = args.vocab, args.hidden, 4 * args.hidden
     g = torch.Generator().manual_seed(0)
@@ -100,7 +117,7 @@ def main(argv=None) -> int:
     target = (data * 7 + 3) % V
     prompt = [int(t) for t in data[:4]]
 
-    with local_cluster(2):
+    with connect(args.address):
         trainers = [Trainer.options(resources={"node0": 1}).remote(
             {n: rr.shard_tensor(full[n], lay[n][0], r) for n in full}, 1e-2) for r in range(TP)]
         engines = [Engine.options(resources={"node1": 1}).remote(V, H, F) for _ in range(DP)]
