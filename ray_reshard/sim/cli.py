@@ -140,7 +140,7 @@ def run(args) -> dict:
     p = make_plan(specs, [("train", r // g) for r in range(train.world)],
                   [("infer", r // g) for r in range(infer.world)])
     res = simulate(p, cl, bucket, args.mode, timeline)
-    gb = gather_broadcast_seconds(p, cl)
+    gb = gather_broadcast_seconds(p, cl, bucket)
     # direct point-to-point: every rank its own domain, so no de-duplication inside domains
     direct_plan = make_plan(specs, n_src=train.world, n_dst=infer.world)
     direct = simulate(direct_plan, cl.with_(gpus_per_domain=1), bucket, args.mode)

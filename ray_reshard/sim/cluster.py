@@ -13,9 +13,12 @@ from typing import Optional
 
 GB = 1e9
 
-# Executor CPU time per item (one box of one tensor packed, unpacked or sent in place), measured
-# on the development machine by `python -m ray_reshard.bench.sim_calibrate` (2-core CPU box).
-MEASURED_ITEM_S = 40e-6
+# Executor CPU time per item (one box of one tensor packed, unpacked or sent in place) and per
+# tensor per process (view lookups before the rounds), measured on the development machine by
+# `python -m ray_reshard.bench.sim_calibrate` (2-core CPU box; host-side Python costs, which a
+# GPU host pays too, on faster cores).
+MEASURED_ITEM_S = 30e-6
+MEASURED_TENSOR_S = 17e-6
 
 
 @dataclass(frozen=True)
@@ -28,8 +31,13 @@ class Cluster:
     nic_Bps: float
     latency_s: float = 20e-6
     item_s: float = MEASURED_ITEM_S
+    tensor_s: float = MEASURED_TENSOR_S  # per tensor per process taking part (views, checks)
     fabric_Bps: Optional[float] = None
     domain_fabric_Bps: Optional[float] = None
+    refit_overhead_s: float = 5e-3      # driver round trips of one refit (launch, commit)
+    copy_Bps: float = 1000 * GB         # staging copies of strided items, per rank
+    cpu_cores: Optional[int] = None     # ranks share this many cores (None: each its own)
+    broadcast: str = "ring"             # "ring": pipelined (NCCL); "flat": root sends each copy (gloo)
 
     def __post_init__(self):
         if self.gpus_per_domain < 1:
@@ -37,7 +45,7 @@ class Cluster:
         for n in ("nvlink_Bps", "nic_Bps"):
             if not getattr(self, n) > 0:
                 raise ValueError(f"{n} must be positive, got {getattr(self, n)}")
-        for n in ("latency_s", "item_s"):
+        for n in ("latency_s", "item_s", "tensor_s", "refit_overhead_s"):
             if getattr(self, n) < 0:
                 raise ValueError(f"{n} must be >= 0, got {getattr(self, n)}")
 
@@ -48,7 +56,12 @@ class Cluster:
         s = (f"{self.name}: {self.gpus_per_domain} GPUs per NVLink domain, NVLink "
              f"{self.nvlink_Bps / GB:.0f} GB/s and NIC {self.nic_Bps / GB:.1f} GB/s "
              f"({self.nic_Bps * 8 / GB:.0f} Gb/s) per GPU per direction, "
-             f"{self.latency_s * 1e6:.0f} us per message, {self.item_s * 1e6:.0f} us per item")
+             f"{self.latency_s * 1e6:.0f} us per message, {self.item_s * 1e6:.0f} us per item, "
+             f"{self.tensor_s * 1e6:.0f} us per tensor per process")
+        s += (f", {self.refit_overhead_s * 1e3:.1f} ms per refit, staging copies "
+              f"{self.copy_Bps / GB:.1f} GB/s")
+        if self.cpu_cores:
+            s += f", all ranks on {self.cpu_cores} CPU cores"
         if self.fabric_Bps:
             s += f", all network links together {self.fabric_Bps / GB:.2f} GB/s"
         if self.domain_fabric_Bps:
@@ -65,8 +78,9 @@ PRESETS = {
     # This machine's two simulated nodes (every rank shares 2 CPU cores): gloo over loopback as
     # the network, shared-memory rings as the domain links. Figures measured by
     # `python -m ray_reshard.bench.sim_calibrate` (see README); rerun it to refresh them.
-    "local": Cluster("local", 4, 2.0 * GB, 1.0 * GB, latency_s=300e-6, item_s=MEASURED_ITEM_S,
-                     fabric_Bps=1.2 * GB, domain_fabric_Bps=1.5 * GB),
+    "local": Cluster("local", 4, 5.0 * GB, 0.5 * GB, latency_s=2e-3, fabric_Bps=0.8 * GB,
+                     domain_fabric_Bps=5.0 * GB, refit_overhead_s=28e-3, copy_Bps=2.3 * GB,
+                     cpu_cores=2, broadcast="flat"),
 }
 
 

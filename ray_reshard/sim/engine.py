@@ -52,7 +52,49 @@ class Messages:
     path: np.ndarray
     nbytes: np.ndarray
     items: np.ndarray
+    staged_send: np.ndarray        # bytes the sender copies (packs) rather than sends in place
+    staged_recv: np.ndarray        # bytes the receiver copies out of a staging buffer
     mode: str
+
+
+# Network items at least this large move in place when contiguous (the executor's per-item
+# messages); smaller ones, strided ones and every domain (ring) transfer are copied.
+IN_PLACE_MIN_BYTES = 64 << 10
+
+
+class _Staging:
+    """Which bytes of an item each end must copy: strided in its local shard, small, or ring."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.boxes: dict = {}
+
+    def _holder(self, ti: int, side: str, rank: int):
+        spec = self.plan.specs[ti]
+        lay = spec.src if side == "src" else spec.dst
+        key = (id(lay), spec.shape, rank)
+        b = self.boxes.get(key)
+        if b is None:
+            b = self.boxes[key] = lay.box(rank, spec.shape)
+        return b
+
+    @staticmethod
+    def _contiguous(box, holder) -> bool:
+        if holder is None:
+            return False
+        sizes, full = box.sizes, holder.sizes
+        for i, n in enumerate(sizes):
+            if n > 1:
+                return all(sizes[j] == full[j] for j in range(i + 1, len(sizes)))
+        return True
+
+    def __call__(self, ti: int, box, nbytes: int, src_side: str, src_rank: int, dst_rank: int,
+                 path_code: int) -> tuple[int, int]:
+        if path_code != 0 or nbytes < IN_PLACE_MIN_BYTES:
+            return nbytes, nbytes
+        s = 0 if self._contiguous(box, self._holder(ti, src_side, src_rank)) else nbytes
+        r = 0 if self._contiguous(box, self._holder(ti, "dst", dst_rank)) else nbytes
+        return s, r
 
 
 @dataclass
@@ -98,15 +140,24 @@ def messages_exact(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Mess
     n_src, _ = _gpu(plan)
     ts = plan.schedule(bucket_bytes).transfers
     n = len(ts)
-    rnd, snd, rcv, pth, nb, it = (np.empty(n, dtype=np.int64) for _ in range(6))
+    rnd, snd, rcv, pth, nb, it, ss, sr = (np.empty(n, dtype=np.int64) for _ in range(8))
+    staging = _Staging(plan)
+    isz = [spec.itemsize for spec in plan.specs]
     for i, t in enumerate(ts):
         rnd[i] = t.key[0]
         snd[i] = t.src.rank if t.src.side == "src" else n_src + t.src.rank
         rcv[i] = n_src + t.dst
-        pth[i] = PATH_CODE[t.path]
+        pth[i] = code = PATH_CODE[t.path]
         nb[i] = t.nbytes
         it[i] = len(t.items)
-    return Messages(rnd, snd, rcv, pth, nb, it, "exact")
+        a = b = 0
+        for item in t.items:
+            x, y = staging(item.tensor, item.box, item.box.numel * isz[item.tensor], t.src.side,
+                           t.src.rank, t.dst, code)
+            a += x
+            b += y
+        ss[i], sr[i] = a, b
+    return Messages(rnd, snd, rcv, pth, nb, it, ss, sr, "exact")
 
 
 def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Messages:
@@ -119,22 +170,32 @@ def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
             uses[id(tp)] = [tp, 1]
         else:
             u[1] += 1
-    pairs: dict[tuple, list] = defaultdict(lambda: [0, 0])
-    for tp, count in uses.values():
+    first_use = {}
+    for ti, tp in enumerate(plan.tensor_plans):
+        first_use.setdefault(id(tp), ti)
+    staging = _Staging(plan)
+    pairs: dict[tuple, list] = defaultdict(lambda: [0, 0, 0, 0])
+    for key, (tp, count) in uses.items():
         isz = tp.itemsize
-        per = defaultdict(lambda: [0, 0])
+        ti = first_use[key]
+        per = defaultdict(lambda: [0, 0, 0, 0])
         for m in tp.moves:
             s = m.src.rank if m.src.side == "src" else n_src + m.src.rank
-            e = per[(s, n_src + m.dst, PATH_CODE[m.path], m.src.side == "dst")]
-            e[0] += m.box.numel * isz
+            code = PATH_CODE[m.path]
+            e = per[(s, n_src + m.dst, code, m.src.side == "dst")]
+            nbytes = m.box.numel * isz
+            a, b = staging(ti, m.box, nbytes, m.src.side, m.src.rank, m.dst, code)
+            e[0] += nbytes
             e[1] += 1
-        for k, (b, i) in per.items():
+            e[2] += a
+            e[3] += b
+        for k, v in per.items():
             e = pairs[k]
-            e[0] += count * b
-            e[1] += count * i
+            for j in range(4):
+                e[j] += count * v[j]
     if not pairs:
         z = np.zeros(0, dtype=np.int64)
-        return Messages(z, z, z, z, z, z, "aggregate")
+        return Messages(z, z, z, z, z, z, z, z, "aggregate")
     keys = np.array([k[:3] + (int(k[3]),) for k in pairs], dtype=np.int64)
     tot = np.array([v[0] for v in pairs.values()], dtype=np.int64)
     items = np.array([v[1] for v in pairs.values()], dtype=np.int64)
@@ -147,8 +208,11 @@ def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
     # items spread evenly over a pair's buckets (each bucket holds at least one)
     it = np.maximum(1, items[rep] // nbk[rep] + (k_in_pair < items[rep] % nbk[rep]))
     forwarded = keys[rep, 3]
+    share = nbytes / tot[rep].clip(min=1)
+    ss = (np.array([v[2] for v in pairs.values()], dtype=np.float64)[rep] * share).astype(np.int64)
+    sr = (np.array([v[3] for v in pairs.values()], dtype=np.float64)[rep] * share).astype(np.int64)
     return Messages(k_in_pair + forwarded, keys[rep, 0], keys[rep, 1], keys[rep, 2], nbytes, it,
-                    "aggregate")
+                    ss, sr, "aggregate")
 
 
 def simulate(plan: Plan, cluster: Cluster, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -166,6 +230,23 @@ def simulate(plan: Plan, cluster: Cluster, bucket_bytes: int = DEFAULT_BUCKET_BY
         mode = "exact" if plan.stats.n_moves <= exact_max_moves else "aggregate"
     msgs = (messages_exact if mode == "exact" else messages_aggregate)(plan, bucket_bytes)
     return replay(plan, msgs, cluster, bucket_bytes, timeline_rank)
+
+
+def tensors_per_process(plan: Plan) -> np.ndarray:
+    """How many tensors each GPU (sources first, then destinations) sends or receives."""
+    n_src, world = _gpu(plan)
+    counts = np.zeros(world, dtype=np.int64)
+    ranks_of: dict[int, list] = {}
+    for tp in plan.tensor_plans:
+        rs = ranks_of.get(id(tp))
+        if rs is None:
+            seen = set()
+            for m in tp.moves:
+                seen.add(m.src.rank if m.src.side == "src" else n_src + m.src.rank)
+                seen.add(n_src + m.dst)
+            rs = ranks_of[id(tp)] = list(seen)
+        counts[rs] += 1
+    return counts
 
 
 def _link_names(n_src: int, world: int) -> list[str]:
@@ -200,12 +281,21 @@ def replay(plan: Plan, msgs: Messages, cluster: Cluster, bucket_bytes: int,
     if cluster.domain_fabric_Bps:
         link_t = np.maximum(link_t, np.bincount(msgs.round[dom], msgs.nbytes[dom].astype(float),
                                                 minlength=R) / cluster.domain_fabric_Bps)
-    work = (np.bincount(msgs.round * world + msgs.sender, msgs.items.astype(float), minlength=R * world)
-            + np.bincount(msgs.round * world + msgs.receiver, msgs.items.astype(float),
-                          minlength=R * world)).reshape(R, world) * cluster.item_s
+    send_work = msgs.items * cluster.item_s + msgs.staged_send / cluster.copy_Bps
+    recv_work = msgs.items * cluster.item_s + msgs.staged_recv / cluster.copy_Bps
+    work = (np.bincount(msgs.round * world + msgs.sender, send_work, minlength=R * world)
+            + np.bincount(msgs.round * world + msgs.receiver, recv_work, minlength=R * world)
+            ).reshape(R, world)
     cpu_t = work.max(axis=1) if R else np.zeros(0)
+    if cluster.cpu_cores:
+        cpu_t = np.maximum(cpu_t, work.sum(axis=1) / cluster.cpu_cores)
     round_t = np.maximum(link_t, cpu_t) + cluster.latency_s
-    predicted = float(round_t.sum())
+    # before the rounds, every process looks up its tensors' views once
+    per_proc = tensors_per_process(plan) * cluster.tensor_s
+    prep = float(per_proc.max()) if len(per_proc) else 0.0
+    if cluster.cpu_cores:
+        prep = max(prep, float(per_proc.sum()) / cluster.cpu_cores)
+    predicted = float(round_t.sum()) + cluster.refit_overhead_s + prep
 
     total = link_bytes.sum(axis=0) if R else np.zeros(L)
     nic_bound = float((total[:2 * world] / cluster.nic_Bps).max()) if R else 0.0
@@ -243,30 +333,23 @@ def replay(plan: Plan, msgs: Messages, cluster: Cluster, bucket_bytes: int,
                      float(round_t[cpu_t > link_t].sum()) if R else 0.0)
 
 
-def gather_broadcast_seconds(plan: Plan, cluster: Cluster) -> float:
-    """Predicted time of the gather-broadcast strategy on the plan's ranks and domains."""
+def gather_broadcast_seconds(plan: Plan, cluster: Cluster,
+                             bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> float:
+    """Predicted time of the gather-broadcast strategy on the plan's ranks and domains.
+
+    As the runtime runs it: consecutive tensors with the same gather and broadcast groups share
+    a step of at most `bucket_bytes`; per step a ring all-gather among one replica of each
+    source shard, then a pipelined broadcast from the first of them to every destination rank
+    holding a part (crossing a domain boundary on several NICs, one per ring channel); steps run
+    one after another.
+    """
     topo = plan.topology
     cache: dict = {}
     total = 0.0
-    for spec in plan.specs:
-        key = (spec.shape, id(spec.src), id(spec.dst))
-        hit = cache.get(key)
-        if hit is None:
-            first_of_box = {}
-            for r, b in sorted(spec.src.boxes(spec.shape).items()):
-                if not b.empty:
-                    first_of_box.setdefault(b, r)
-            gather = sorted(set(first_of_box.values()))
-            dsts = [r for r, b in sorted(spec.dst.boxes(spec.shape).items()) if not b.empty]
-            g_domains = {topo.src_domains[r] for r in gather}
-            b_domains = {topo.src_domains[gather[0]]} | {topo.dst_domains[r] for r in dsts}
-            per_domain = defaultdict(int)
-            for r in dsts:
-                per_domain[topo.dst_domains[r]] += 1
-            hit = cache[key] = (len(gather), len(g_domains), len(b_domains), len(dsts),
-                                max(per_domain.values(), default=1))
-        n_gather, n_gdom, n_bdom, n_dst, per_dom = hit
-        size = spec.nbytes
+    step_key, step_bytes = None, 0
+
+    def step_time(key, size) -> float:
+        n_gather, n_gdom, n_bdom, n_dst, per_dom = key[2]
         t = 0.0
         if n_gather > 1:
             bw = cluster.nic_Bps if n_gdom > 1 else cluster.nvlink_Bps
@@ -274,7 +357,6 @@ def gather_broadcast_seconds(plan: Plan, cluster: Cluster) -> float:
                 bw = min(bw, cluster.fabric_Bps / n_gather)
             t += (n_gather - 1) / n_gather * size / bw + (n_gather - 1) * cluster.latency_s
         if n_bdom > 1:
-            # a pipelined ring crosses each domain boundary on several NICs (one per channel)
             bw = min(cluster.nvlink_Bps, cluster.nic_Bps * min(cluster.gpus_per_domain, per_dom))
             if cluster.fabric_Bps:
                 bw = min(bw, cluster.fabric_Bps)
@@ -282,7 +364,36 @@ def gather_broadcast_seconds(plan: Plan, cluster: Cluster) -> float:
             bw = cluster.nvlink_Bps
             if cluster.domain_fabric_Bps:
                 bw = min(bw, cluster.domain_fabric_Bps)
+        if cluster.broadcast == "flat":          # the root sends one whole copy per receiver
+            bw = min(bw, cluster.nic_Bps if n_bdom > 1 else cluster.nvlink_Bps) / n_dst
         t += size / bw + math.log2(max(2, n_dst + 1)) * cluster.latency_s
-        t += cluster.item_s * 2                  # the root's pack, each receiver's slice copy
-        total += t
-    return total
+        # each receiver copies its slices out of the whole tensors
+        return t + size / max(1, n_dst) / cluster.copy_Bps
+
+    for spec in plan.specs:
+        ckey = (spec.shape, id(spec.src), id(spec.dst))
+        key = cache.get(ckey)
+        if key is None:
+            first_of_box = {}
+            for r, b in sorted(spec.src.boxes(spec.shape).items()):
+                if not b.empty:
+                    first_of_box.setdefault(b, r)
+            gather = tuple(sorted(set(first_of_box.values())))
+            dsts = tuple(r for r, b in sorted(spec.dst.boxes(spec.shape).items()) if not b.empty)
+            g_domains = {topo.src_domains[r] for r in gather}
+            b_domains = {topo.src_domains[gather[0]]} | {topo.dst_domains[r] for r in dsts}
+            per_domain = defaultdict(int)
+            for r in dsts:
+                per_domain[topo.dst_domains[r]] += 1
+            key = cache[ckey] = (gather, dsts, (len(gather), len(g_domains), len(b_domains),
+                                                len(dsts), max(per_domain.values(), default=1)))
+        size = spec.nbytes
+        total += cluster.item_s * 2                  # each tensor packed once, sliced once
+        if step_key is not None and (key[:2] != step_key[:2] or step_bytes + size > bucket_bytes):
+            total += step_time(step_key, step_bytes)
+            step_bytes = 0
+        step_key = key
+        step_bytes += size
+    if step_key is not None:
+        total += step_time(step_key, step_bytes)
+    return total + cluster.refit_overhead_s
