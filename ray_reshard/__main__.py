@@ -17,6 +17,7 @@ def main(argv=None) -> int:
                    add_help=False)
     sub.add_parser("model-bytes", help="bytes of real-size models under the brief's layouts",
                    add_help=False)
+    sub.add_parser("simulate", help="predict a refit's time on a described cluster", add_help=False)
     args, rest = ap.parse_known_args(argv)
     if args.cmd == "demo":
         from .demo import run_demo
@@ -30,6 +31,9 @@ def main(argv=None) -> int:
     if args.cmd == "model-bytes":
         from .bench.model_bytes import main as m
         return m(rest) or 0
+    if args.cmd == "simulate":
+        from .sim.cli import main as m
+        return m(rest)
     return 2
 
 

@@ -1,0 +1,177 @@
+"""Calibrate the simulator's `local` cluster and check its predictions against measured refits.
+
+    python -m ray_reshard.bench.sim_calibrate [--mb 64] [--repeats 3]
+
+On a local two-node Ray cluster (4 source actors on node A, 4 destination actors on node B):
+1. measure the link constants with primitive transfers: raw network bandwidth for one pair and
+   for 4 pairs at once (gloo over loopback), shared-memory bandwidth inside a node (a refit
+   whose moves all stay in the domain), the cost of a one-item refit round (latency) and the
+   extra cost per item (many small tensors);
+2. refit several other layouts, sizes and tensor counts, and print the measured median next to
+   the simulator's prediction for them with those constants (the plans are the ones the group
+   runs; the simulator replays their schedules).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import ray
+import torch
+
+import ray_reshard as rr
+from ray_reshard.sim import Cluster, gather_broadcast_seconds, simulate
+from ray_reshard.testing import holders, local_cluster
+
+N = 4
+
+
+def _mesh1(ranks):
+    return rr.Mesh(list(ranks), ("x",))
+
+
+def _specs(n_tensors: int, rows: int, cols: int, src: rr.Layout, dst: rr.Layout):
+    return {f"t{i}": rr.TensorSpec((rows, cols), torch.float32, src=src, dst=dst)
+            for i in range(n_tensors)}
+
+
+def _fill(actors, specs, side: str):
+    g = torch.Generator().manual_seed(0)
+    full = {n: torch.randn(s.shape, generator=g) for n, s in specs.items()}
+    for r, a in enumerate(actors):
+        ts = {}
+        for n, s in specs.items():
+            lay = s.src if side == "src" else s.dst
+            if lay.box(r, s.shape) is not None:
+                ts[n] = (rr.shard_tensor(full[n], lay, r) if side == "src"
+                         else torch.zeros(lay.local_shape(r, s.shape)))
+        ray.get(a.set.remote(ts))
+    return full
+
+
+def _time_refits(group, specs, repeats: int) -> float:
+    group.refit(specs)                               # installs programs, rings
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        group.refit(specs)
+        runs.append(time.perf_counter() - t0)
+    return statistics.median(runs)
+
+
+def cases(mb: int):
+    """(name, specs) of the layouts predicted after calibration."""
+    tp4 = rr.Layout(_mesh1(range(N)), (rr.Shard(0),))
+    tp4c = rr.Layout(_mesh1(range(N)), (rr.Shard(1),))
+    tp2dp2 = rr.Layout(rr.Mesh([[0, 1], [2, 3]], ("dp", "tp")), (rr.Replicate(), rr.Shard(0)))
+    mixed = rr.Layout(rr.Mesh([[0, 1], [2, 3]], ("a", "b")), (rr.Shard(0), rr.Shard(1)))
+    dp4 = rr.Layout.replicated(range(N))
+    rows = 1024
+    cols = max(64, (mb << 20) // 4 // 32 // rows)
+    return [
+        ("TP4 -> TP2xDP2, 32 tensors", _specs(32, rows, cols, tp4, tp2dp2)),
+        ("(TP2xTP2) -> TP4 cols, 32 tensors", _specs(32, rows, cols, mixed, tp4c)),
+        ("TP4 -> DP4 (replicated), 8 tensors", _specs(8, rows, cols, tp4, dp4)),
+        ("TP4 -> TP4 cols, 512 small tensors", _specs(512, 64, 64, tp4, tp4c)),
+        ("TP4 -> TP2xDP2, 2 big tensors", _specs(2, rows * 4, cols * 4, tp4, tp2dp2)),
+    ]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mb", type=int, default=64, help="megabytes of weights per case")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--bucket-mb", type=int, default=16)
+    args = ap.parse_args(argv)
+    bucket = args.bucket_mb << 20
+    tp4 = rr.Layout(_mesh1(range(N)), (rr.Shard(0),))
+    tp4c = rr.Layout(_mesh1(range(N)), (rr.Shard(1),))
+    with local_cluster(2):
+        src, dst = holders(N, 0), holders(N, 1)
+        near = holders(N, 1)                         # beside the destinations: same domain
+        # --- constants
+        cores = os.cpu_count() or 1
+        probe = 64 << 20
+        with rr.ReshardGroup(src[:1], dst[:1]) as g1:
+            one = statistics.median(g1.raw_bandwidth(probe) for _ in range(args.repeats)) * 1e9
+        with rr.ReshardGroup(src, dst, bucket_bytes=bucket) as g:
+            fabric = statistics.median(g.raw_bandwidth(probe) for _ in range(args.repeats)) * 1e9
+            tiny = _specs(1, N, 4, tp4, tp4)                # one item per rank, one round
+            _fill(src, tiny, "src"), _fill(dst, tiny, "dst")
+            t_round = _time_refits(g, tiny, args.repeats * 3)
+            many = _specs(400, 16, 16, tp4, tp4)            # 400 tensors, 1 item each per pair
+            _fill(src, many, "src"), _fill(dst, many, "dst")
+            t_many = _time_refits(g, many, args.repeats)
+            cross = _specs(400, 16, 16, tp4, tp4c)          # 400 tensors, 4 items each per source
+            _fill(src, cross, "src"), _fill(dst, cross, "dst")
+            t_cross = _time_refits(g, cross, args.repeats)
+        # all ranks share the cores; an item is handled by its sender and its receiver, a
+        # tensor's views are looked up by each of the 8 processes
+        item_s = max(0.0, (t_cross - t_many) * cores / (400 * 3 * N * 2))
+        tensor_s = max(0.0, ((t_many - t_round) * cores - 400 * N * 2 * item_s) / (400 * 2 * N))
+        with rr.ReshardGroup(src, dst, bucket_bytes=4096) as g4:
+            rounds = 16                                      # one 16-chunk item per pair
+            chunked = _specs(1, N * rounds, 1024, tp4, tp4)
+            _fill(src, chunked, "src"), _fill(dst, chunked, "dst")
+            t_rounds = _time_refits(g4, chunked, args.repeats * 2)
+        per_round_cpu = 2 * N * item_s / cores + 2 * N * tensor_s / cores / rounds
+        latency = max(0.0, (t_rounds - t_round) / (rounds - 1) - per_round_cpu)
+        overhead = max(0.0, t_round - latency - per_round_cpu)
+        x = torch.randn(2048, 8192)
+        copies = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            x[:, :4096].contiguous()
+            copies.append(time.perf_counter() - t0)
+        copy_bps = 2048 * 4096 * 4 / min(copies)
+        dom = _specs(8, 1024, max(64, (args.mb << 20) // 4 // 8 // 1024), tp4, tp4)
+        with rr.ReshardGroup(near, dst, bucket_bytes=bucket) as gd:
+            _fill(near, dom, "src"), _fill(dst, dom, "dst")
+            assert gd.plan(dom).stats.domain_bytes == gd.plan(dom).stats.total_bytes
+            t_dom = _time_refits(gd, dom, args.repeats)
+        dom_bytes = sum(s.nbytes for s in dom.values())
+        domain_fabric = dom_bytes / max(1e-9, t_dom - t_round)
+        local = Cluster("local (measured now)", N, nvlink_Bps=domain_fabric, nic_Bps=one,
+                        latency_s=latency, item_s=item_s, tensor_s=tensor_s, fabric_Bps=fabric,
+                        domain_fabric_Bps=domain_fabric, refit_overhead_s=overhead,
+                        copy_Bps=copy_bps, cpu_cores=cores, broadcast="flat")
+        print("constants (measured with primitive transfers, not with the refits below):")
+        print(f"  network one pair {one / 1e9:.2f} GB/s, 4 pairs together {fabric / 1e9:.2f} GB/s; "
+              f"shared memory in a node {domain_fabric / 1e9:.2f} GB/s")
+        print(f"  one-item refit {t_round * 1e3:.1f} ms = overhead {overhead * 1e3:.1f} ms + "
+              f"one round; per extra round {latency * 1e3:.2f} ms; per item {item_s * 1e6:.1f} us "
+              f"and {tensor_s * 1e6:.1f} us per tensor per process of CPU; strided copy {copy_bps / 1e9:.2f} GB/s; {cores} cores")
+        print(f"  -> {local.describe()}\n")
+
+        print(f"{'case':<38} {'MB':>6} {'items':>6} {'measured s':>10} {'predicted s':>11} "
+              f"{'pred/meas':>9} {'bound s':>8}")
+        rows = []
+        for name, specs in cases(args.mb):
+            with rr.ReshardGroup(src, dst, bucket_bytes=bucket) as g:
+                _fill(src, specs, "src"), _fill(dst, specs, "dst")
+                p = g.plan(specs)
+                meas = _time_refits(g, specs, args.repeats)
+            sim = simulate(p, local, bucket, "exact")
+            items = sum(len(t.items) for t in p.schedule(bucket).transfers)
+            rows.append((name, meas, sim.predicted_s))
+            print(f"{name:<38} {p.stats.total_bytes / 1e6:>6.1f} {items:>6} {meas:>10.3f} "
+                  f"{sim.predicted_s:>11.3f} {sim.predicted_s / meas:>9.2f} {sim.bound_s:>8.3f}",
+                  flush=True)
+        name, specs = cases(args.mb)[0]
+        with rr.ReshardGroup(src, dst, bucket_bytes=bucket, strategy="gather_broadcast") as g:
+            _fill(src, specs, "src"), _fill(dst, specs, "dst")
+            p = g.plan(specs)
+            meas = _time_refits(g, specs, args.repeats)
+        pred = gather_broadcast_seconds(p, local, bucket)
+        print(f"{'gather_broadcast: ' + name:<38} {p.stats.total_bytes / 1e6:>6.1f} {'':>6} "
+              f"{meas:>10.3f} {pred:>11.3f} {pred / meas:>9.2f}")
+        worst = max(abs(pr / me - 1) for _, me, pr in rows)
+        print(f"\nreshard predictions within {100 * worst:.0f}% of the measured medians "
+              f"(goal: 25%)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,54 @@
+"""The simulator against published refit figures (same models, layouts and hardware class).
+
+    python -m ray_reshard.bench.sim_published
+
+For each published row: the published reshard (and gather-broadcast or direct) figure, our
+predicted reshard time, the bound, our direct point-to-point and gather_broadcast predictions.
+Layout details the publications leave out are filled in as printed (e.g. Megatron's data
+parallel size from the GPU count).
+"""
+from __future__ import annotations
+
+import argparse
+
+from ray_reshard.sim.cli import build_parser, run
+
+ROWS = [
+    # (source, model, train, infer, cluster, published reshard, published other)
+    ("NCCL M2N bench, GB200 NVL72", "deepseek-v3", "megatron:pp=4,ep=16,dp=32",
+     "vllm:tp=8,dp=16", "gb200-nvl72", "1.447 s", "direct 3.838 s"),
+    ("NCCL M2N bench, GB200 NVL72", "qwen3-235b", "megatron:pp=4,ep=16,dp=16",
+     "vllm:tp=8,dp=8", "gb200-nvl72", "0.989 s", "direct 2.175 s"),
+    ("NeMo RL, DGX H100", "deepseek-v3", "megatron:pp=16,ep=16", "vllm:tp=32,dp=8", "dgx-h100",
+     "2.4-2.8 s", "gather-broadcast 14.9 s"),
+    ("NeMo RL, DGX H100", "qwen3-235b", "megatron:tp=4,pp=8,ep=16,etp=1", "vllm:tp=8,dp=16",
+     "dgx-h100", "4.6-4.9 s (1.9 s in NVIDIA's blog table)", "gather-broadcast 6.4 s"),
+    ("vLLM sharded RDT, 8 -> 8 H100", "qwen3-235b", "megatron:ep=8", "vllm:tp=8", "dgx-h100",
+     "3.2-3.3 s", "NCCL broadcast 64.7 s"),
+]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default=None, help="comma-separated row numbers (default: all)")
+    args = ap.parse_args(argv)
+    pick = None if args.rows is None else {int(x) for x in args.rows.split(",")}
+    head = (f"{'#':>2} {'published by':<30} {'model':<12} {'train -> infer':<52} "
+            f"{'published':<26} {'ours s':>7} {'bound s':>7} {'/bound':>6} {'direct s':>8} "
+            f"{'gath-bc s':>9}  published other")
+    print(head)
+    print("-" * len(head))
+    for i, (who, model, train, infer, cluster, pub, other) in enumerate(ROWS):
+        if pick is not None and i not in pick:
+            continue
+        o = run(build_parser().parse_args(["--model", model, "--train", train, "--infer", infer,
+                                           "--cluster", cluster]))
+        lay = f"{o['train']} -> {o['infer']}".replace("Megatron ", "").replace("vLLM ", "")
+        print(f"{i:>2} {who:<30} {model:<12} {lay:<52} {pub:<26} {o['predicted_s']:>7.2f} "
+              f"{o['bound_s']:>7.2f} {o['predicted_s'] / o['bound_s']:>6.2f} {o['direct_s']:>8.2f} "
+              f"{o['gather_broadcast_s']:>9.2f}  {other}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

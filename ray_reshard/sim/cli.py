@@ -1,0 +1,213 @@
+"""`ray-reshard simulate`: predict a refit's time on a described cluster.
+
+    ray-reshard simulate --model deepseek-v3 --train megatron:pp=16,ep=16 \\
+        --infer vllm:tp=32,dp=8 --cluster dgx-h100 [--json]
+
+The model is a recipe name or a Hugging Face config.json path; layouts are
+`megatron:tp=..,pp=..,ep=..,etp=..,dp=..,cp=..` and `vllm:tp=..,dp=..,pp=..,ep=..`. Without dp,
+Megatron gets the smallest data-parallel size that makes each stage a multiple of ep*etp.
+Ranks fill NVLink domains in order (`--gpus-per-domain` of the cluster) on each side; training
+and inference use different GPUs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+from .cluster import GB, PRESETS, preset
+from .engine import gather_broadcast_seconds, simulate
+
+
+class _Exit(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):           # one line, exit 2, no usage dump
+        raise _Exit(message)
+
+
+DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+          "fp32": "float32", "float32": "float32", "fp8": "float8_e4m3fn"}
+
+
+def _model_config(name: str):
+    from ..bench.model_bytes import CASES
+    key = name.lower().replace("_", "-")
+    aliases = {"llama-3-70b": "llama70b", "llama3-70b": "llama70b", "qwen3-235b-a22b": "qwen3-235b",
+               "deepseek-v3-671b": "deepseek-v3"}
+    key = aliases.get(key, key)
+    if key in CASES:
+        return CASES[key][0], CASES[key][1]
+    if os.path.exists(name):
+        return os.path.basename(os.path.dirname(os.path.abspath(name))) or name, name
+    raise ValueError(f"--model: {name!r} is neither a recipe ({', '.join(CASES)}) nor a "
+                     f"config.json path")
+
+
+def parse_layout(text: str, what: str):
+    """'megatron:pp=16,ep=16' -> Megatron(...); 'vllm:tp=32,dp=8' -> VLLM(...)."""
+    from ..models import VLLM, Megatron
+    engine, _, rest = text.partition(":")
+    engine = engine.strip().lower()
+    kinds = {"megatron": Megatron, "vllm": VLLM}
+    if engine not in kinds:
+        raise ValueError(f"{what}: engine must be 'megatron' or 'vllm', got {engine!r} "
+                         f"(expected e.g. megatron:pp=16,ep=16)")
+    kw = {}
+    for part in filter(None, (p.strip() for p in rest.split(","))):
+        k, eq, v = part.partition("=")
+        if not eq:
+            raise ValueError(f"{what}: {part!r} is not key=value")
+        k = k.strip().lower()
+        if k == "experts":
+            kw[k] = v.strip()
+            continue
+        try:
+            kw[k] = int(v)
+        except ValueError:
+            raise ValueError(f"{what}: {k}={v!r} is not an integer") from None
+    if engine == "megatron" and "dp" not in kw:
+        per_stage = kw.get("tp", 1) * kw.get("cp", 1)
+        need = kw.get("ep", 1) * kw.get("etp", 1)
+        kw["dp"] = need // math.gcd(need, per_stage)
+    try:
+        return kinds[engine](**kw)
+    except TypeError as e:
+        raise ValueError(f"{what}: {e}") from None
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="ray-reshard simulate", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="recipe name or config.json path")
+    ap.add_argument("--train", required=True, help="e.g. megatron:pp=16,ep=16")
+    ap.add_argument("--infer", required=True, help="e.g. vllm:tp=32,dp=8")
+    ap.add_argument("--cluster", default="dgx-h100", help=f"preset: {', '.join(PRESETS)}")
+    ap.add_argument("--dtype", default="bf16", help="dtype that moves (bf16, fp16, fp32, fp8)")
+    ap.add_argument("--bucket-mb", type=float, default=64.0)
+    ap.add_argument("--mode", default="auto", choices=("auto", "exact", "aggregate"),
+                    help="exact: replay the schedule's buckets; aggregate: per-pair bytes per "
+                         "round (fast at any scale); auto: exact for small plans")
+    ap.add_argument("--gpus-per-domain", type=int)
+    ap.add_argument("--nvlink-gbps", type=float, help="NVLink GB/s per GPU per direction")
+    ap.add_argument("--nic-gbit", type=float, help="NIC Gb/s per GPU per direction")
+    ap.add_argument("--latency-us", type=float, help="per-message latency")
+    ap.add_argument("--item-us", type=float, help="executor CPU time per item")
+    ap.add_argument("--timeline", default=None, help="rank whose timeline to show, e.g. dst:0 "
+                                                     "(default: the one with the busiest link)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    return ap
+
+
+def run(args) -> dict:
+    import torch
+
+    from ..core.plan import plan as make_plan
+    from ..models import Recipe
+
+    cl = preset(args.cluster).with_(
+        gpus_per_domain=args.gpus_per_domain,
+        nvlink_Bps=None if args.nvlink_gbps is None else args.nvlink_gbps * GB,
+        nic_Bps=None if args.nic_gbit is None else args.nic_gbit / 8 * GB,
+        latency_s=None if args.latency_us is None else args.latency_us * 1e-6,
+        item_s=None if args.item_us is None else args.item_us * 1e-6)
+    if args.bucket_mb <= 0:
+        raise ValueError(f"--bucket-mb must be positive, got {args.bucket_mb}")
+    if args.dtype.lower() not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
+    dtype = getattr(torch, DTYPES[args.dtype.lower()])
+    bucket = int(args.bucket_mb * (1 << 20))
+    timeline = None
+    if args.timeline:
+        side, _, r = args.timeline.partition(":")
+        if side not in ("src", "dst") or not r.isdigit():
+            raise ValueError(f"--timeline must look like src:3 or dst:0, got {args.timeline!r}")
+        timeline = (side, int(r))
+    title, config = _model_config(args.model)
+    train = parse_layout(args.train, "--train")
+    infer = parse_layout(args.infer, "--infer")
+    if timeline and timeline[1] >= (train.world if timeline[0] == "src" else infer.world):
+        raise ValueError(f"--timeline: {args.timeline} is beyond that side's ranks")
+    t0 = time.perf_counter()
+    specs = Recipe(config, train, infer).specs(dtype)
+    g = cl.gpus_per_domain
+    p = make_plan(specs, [("train", r // g) for r in range(train.world)],
+                  [("infer", r // g) for r in range(infer.world)])
+    res = simulate(p, cl, bucket, args.mode, timeline)
+    gb = gather_broadcast_seconds(p, cl, bucket)
+    # direct point-to-point: every rank its own domain, so no de-duplication inside domains
+    direct_plan = make_plan(specs, n_src=train.world, n_dst=infer.world)
+    direct = simulate(direct_plan, cl.with_(gpus_per_domain=1), bucket, args.mode)
+    out = res.as_dict()
+    out.update(model=title, train=str(train), infer=str(infer), tensors=len(specs),
+               total_bytes=p.stats.total_bytes, gather_broadcast_s=gb,
+               gather_broadcast_bytes=p.stats.gather_broadcast_bytes,
+               direct_s=direct.predicted_s, direct_network_bytes=direct.network_bytes,
+               cluster_description=cl.describe(), wall_s=time.perf_counter() - t0)
+    return out
+
+
+def render(o: dict) -> str:
+    gbs = lambda b: f"{b / 1e9:,.1f} GB"
+    lines = [
+        f"{o['model']}: {o['train']} -> {o['infer']}, {o['tensors']} tensors, "
+        f"{gbs(o['total_bytes'])}",
+        f"cluster {o['cluster_description']}",
+        f"network {gbs(o['network_bytes'])} (lower bound {gbs(o['min_network_bytes'])}), "
+        f"NVLink {gbs(o['domain_bytes'])}; {o['messages']} buckets in {o['rounds']} rounds "
+        f"of {o['bucket_bytes'] / 2**20:.0f} MiB"
+        + (" (aggregate: per-pair byte counts per round, not the schedule's own buckets)"
+           if o["mode"] == "aggregate" else " (the schedule's buckets)"),
+        "",
+        f"reshard            predicted {o['predicted_s']:8.3f} s",
+        f"  bound            {o['bound_s']:8.3f} s  (busiest NIC {o['nic_bound_s']:.3f} s, "
+        f"busiest NVLink {o['nvlink_bound_s']:.3f} s); predicted / bound = "
+        f"{o['predicted_s'] / o['bound_s'] if o['bound_s'] else float('nan'):.2f}",
+        f"  balanced bound   {o['balanced_bound_s']:8.3f} s  (the lower bound's bytes spread "
+        f"evenly over every destination NIC)",
+        f"direct p2p         predicted {o['direct_s']:8.3f} s  (no domain de-duplication, "
+        f"network {gbs(o['direct_network_bytes'])})",
+        f"gather_broadcast   predicted {o['gather_broadcast_s']:8.3f} s  "
+        f"({gbs(o['gather_broadcast_bytes'])} received)",
+        "",
+        "busiest links:",
+    ]
+    for link in o["busiest_links"]:
+        lines.append(f"  {link['link']:<22} {gbs(link['bytes']):>12}  {link['seconds']:.3f} s at full rate")
+    tl = o["timeline"]
+    lines.append(f"timeline of {o['timeline_rank']} ({len(tl)} rounds with work"
+                 + (", first 8 and last 2)" if len(tl) > 10 else ")") + ":")
+    shown = tl if len(tl) <= 10 else tl[:8] + tl[-2:]
+    for row in shown:
+        lines.append(f"  round {row['round']:>4}  {row['start_s']:8.4f}-{row['end_s']:8.4f} s  "
+                     f"NIC out {row['nic_send'] / 1e6:8.1f} MB in {row['nic_recv'] / 1e6:8.1f} MB  "
+                     f"NVLink out {row['nvlink_send'] / 1e6:8.1f} MB in {row['nvlink_recv'] / 1e6:8.1f} MB"
+                     f"  ({row['limited_by']})")
+    lines.append(f"(simulated in {o['wall_s']:.1f} s)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
+    try:
+        args = ap.parse_args(argv)
+        out = run(args)
+    except (_Exit, ValueError, KeyError, FileNotFoundError, TypeError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"ray-reshard simulate: error: {msg}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(render(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

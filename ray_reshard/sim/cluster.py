@@ -1,0 +1,91 @@
+"""Described clusters: GPUs per NVLink domain, link bandwidths, per-message and per-item costs.
+
+Every GPU (every rank of either side) has its own NIC and NVLink port, each with one direction
+for sends and one for receives. Training and inference ranks sit on different GPUs; rank r of
+a side lives in domain r // gpus_per_domain of that side (the planner's domains say the same).
+`fabric_Bps` / `domain_fabric_Bps` optionally cap the sum over all links (a machine where every
+"GPU" shares the same CPUs, such as the local preset).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+GB = 1e9
+
+# Executor CPU time per item (one box of one tensor packed, unpacked or sent in place) and per
+# tensor per process (view lookups before the rounds), measured on the development machine by
+# `python -m ray_reshard.bench.sim_calibrate` (2-core CPU box; host-side Python costs, which a
+# GPU host pays too, on faster cores).
+MEASURED_ITEM_S = 30e-6
+MEASURED_TENSOR_S = 17e-6
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Bandwidths in bytes per second per GPU and per direction; times in seconds."""
+
+    name: str
+    gpus_per_domain: int
+    nvlink_Bps: float
+    nic_Bps: float
+    latency_s: float = 20e-6
+    item_s: float = MEASURED_ITEM_S
+    tensor_s: float = MEASURED_TENSOR_S  # per tensor per process taking part (views, checks)
+    fabric_Bps: Optional[float] = None
+    domain_fabric_Bps: Optional[float] = None
+    refit_overhead_s: float = 5e-3      # driver round trips of one refit (launch, commit)
+    copy_Bps: float = 1000 * GB         # staging copies of strided items, per rank
+    cpu_cores: Optional[int] = None     # ranks share this many cores (None: each its own)
+    broadcast: str = "ring"             # "ring": pipelined (NCCL); "flat": root sends each copy (gloo)
+
+    def __post_init__(self):
+        if self.gpus_per_domain < 1:
+            raise ValueError(f"gpus_per_domain must be >= 1, got {self.gpus_per_domain}")
+        for n in ("nvlink_Bps", "nic_Bps"):
+            if not getattr(self, n) > 0:
+                raise ValueError(f"{n} must be positive, got {getattr(self, n)}")
+        for n in ("latency_s", "item_s", "tensor_s", "refit_overhead_s"):
+            if getattr(self, n) < 0:
+                raise ValueError(f"{n} must be >= 0, got {getattr(self, n)}")
+
+    def with_(self, **changes) -> "Cluster":
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    def describe(self) -> str:
+        s = (f"{self.name}: {self.gpus_per_domain} GPUs per NVLink domain, NVLink "
+             f"{self.nvlink_Bps / GB:.0f} GB/s and NIC {self.nic_Bps / GB:.1f} GB/s "
+             f"({self.nic_Bps * 8 / GB:.0f} Gb/s) per GPU per direction, "
+             f"{self.latency_s * 1e6:.0f} us per message, {self.item_s * 1e6:.0f} us per item, "
+             f"{self.tensor_s * 1e6:.0f} us per tensor per process")
+        s += (f", {self.refit_overhead_s * 1e3:.1f} ms per refit, staging copies "
+              f"{self.copy_Bps / GB:.1f} GB/s")
+        if self.cpu_cores:
+            s += f", all ranks on {self.cpu_cores} CPU cores"
+        if self.fabric_Bps:
+            s += f", all network links together {self.fabric_Bps / GB:.2f} GB/s"
+        if self.domain_fabric_Bps:
+            s += f", all domain links together {self.domain_fabric_Bps / GB:.2f} GB/s"
+        return s
+
+
+PRESETS = {
+    # DGX H100: NVLink 4 (900 GB/s bidirectional per GPU), one 400 Gb/s ConnectX-7 per GPU.
+    "dgx-h100": Cluster("dgx-h100", 8, 450 * GB, 400 / 8 * GB, latency_s=20e-6),
+    # GB200 NVL72: 72 GPUs in one NVLink 5 domain (1.8 TB/s bidirectional per GPU), one
+    # 400 Gb/s ConnectX-7 per GPU to the scale-out fabric.
+    "gb200-nvl72": Cluster("gb200-nvl72", 72, 900 * GB, 400 / 8 * GB, latency_s=20e-6),
+    # This machine's two simulated nodes (every rank shares 2 CPU cores): gloo over loopback as
+    # the network, shared-memory rings as the domain links. Figures measured by
+    # `python -m ray_reshard.bench.sim_calibrate` (see README); rerun it to refresh them.
+    "local": Cluster("local", 4, 5.0 * GB, 0.5 * GB, latency_s=2e-3, fabric_Bps=0.8 * GB,
+                     domain_fabric_Bps=5.0 * GB, refit_overhead_s=28e-3, copy_Bps=2.3 * GB,
+                     cpu_cores=2, broadcast="flat"),
+}
+
+
+def preset(name: str) -> Cluster:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown cluster {name!r}: expected one of {', '.join(PRESETS)}") from None
