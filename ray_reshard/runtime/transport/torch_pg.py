@@ -291,7 +291,7 @@ class TorchPGGroup(BaseGroup):
 
     def _break(self) -> None:
         """Make every pending operation of this process fail now (see the module docstring)."""
-        pgs = [(self.pg, tuple(range(self.world_size))), *self._subgroups.values()]
+        pgs = [(self.pg, tuple(range(self.world_size))), *list(self._subgroups.values())]
         for pg, ranks in pgs:
             if len(ranks) < 2:
                 continue
