@@ -2,6 +2,7 @@
 one process wakes peers blocked in other processes, set-up needs no collective."""
 from __future__ import annotations
 
+import datetime
 import time
 
 import pytest
@@ -39,10 +40,10 @@ class Member:
         dl = time.monotonic() + 30
         if self.g.rank < peer:
             torch_pg.wait(self.g.isend(out, peer), dl, "send")
-            torch_pg.wait(self.g.irecv(got, peer), dl, "recv")
+            self.g.irecv(got, peer).wait(datetime.timedelta(seconds=30))   # torch-style too
         else:
             torch_pg.wait(self.g.irecv(got, peer), dl, "recv")
-            torch_pg.wait(self.g.isend(out, peer), dl, "send")
+            self.g.isend(out, peer).wait()
         return got.tolist()
 
     def leave(self):

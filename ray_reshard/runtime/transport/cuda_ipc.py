@@ -70,7 +70,11 @@ def _no_expandable_segments():
         return
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
         torch.cuda.memory._set_allocator_settings
-    setter("expandable_segments:False")
+    try:
+        setter("expandable_segments:False")
+    except Exception:           # cannot switch: allocate as configured (shared by fd then)
+        yield
+        return
     try:
         yield
     finally:

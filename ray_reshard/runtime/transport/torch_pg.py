@@ -100,12 +100,23 @@ class Pending:
     def __init__(self, group: "TorchPGGroup", work, after: Optional[Callable] = None, keep=None):
         self.group, self.work, self.after, self.keep = group, work, after, keep
 
-    def wait(self, deadline: float, what: str) -> None:
+    def wait(self, deadline=None, what: str = "operation") -> None:
+        """Wait until `deadline` (time.monotonic(); a timedelta is read as time from now; None:
+        the group's operation timeout)."""
+        if deadline is None:
+            deadline = self.group._forever()
+        elif isinstance(deadline, datetime.timedelta):
+            deadline = time.monotonic() + deadline.total_seconds()
         self.group._wait_work(self.work, deadline, what)
         if self.after is not None:
             after, self.after = self.after, None
             after()
         self.keep = None
+
+    def is_completed(self) -> bool:
+        """Whether it completed (NCCL: on the GPU; gloo reports completion only through a
+        wait, so this stays False there until waited for)."""
+        return self.after is None and self.keep is None and self.work.is_completed()
 
 
 class _BoundPG:
@@ -280,7 +291,7 @@ class TorchPGGroup(BaseGroup):
 
     def _break(self) -> None:
         """Make every pending operation of this process fail now (see the module docstring)."""
-        pgs = [(self.pg, tuple(range(self.world_size))), *self._subgroups.values()]
+        pgs = [(self.pg, tuple(range(self.world_size))), *list(self._subgroups.values())]
         for pg, ranks in pgs:
             if len(ranks) < 2:
                 continue
