@@ -456,6 +456,20 @@ class ReshardGroup:
         except Exception:
             pass
 
+    def resources(self) -> dict:
+        """What this group holds now (read on the driver, no remote call), for leak checks.
+
+        `segments`: names of its shared-memory ring segments (unlinked from /dev/shm once both
+        ends mapped them); `helpers`: node id -> that node's helper actor (shared by this
+        driver's groups; `helper.segments.remote(group_id)` lists what it still holds for this
+        group); `programs`: spec sets installed on the actors; `plans`: plans cached;
+        `processes`: member processes.
+        """
+        return {"group_id": self.group_id,
+                "segments": sorted(name for name, _ in self._rings.values()),
+                "helpers": dict(self._helpers), "programs": len(self._installed),
+                "plans": len(self._plans), "processes": len(self._procs)}
+
 
 _HELPERS: dict = {}      # (cluster session, node id) -> NodeHelper, shared by this driver's groups
 
