@@ -44,6 +44,7 @@ def parser() -> Parser:
     d = sub.add_parser("demo", help="refit a small MoE model between Megatron and vLLM layouts "
                                     "on a local CPU Ray cluster")
     d.add_argument("--scale", type=positive_int, default=1, help="multiply the number of layers")
+    d.add_argument("--repeats", type=positive_int, default=3, help="timed refits per strategy")
     for name, (module, text) in BENCHES.items():
         b = sub.add_parser(name, help=text, description=text)
         importlib.import_module(module).add_args(b)
@@ -102,7 +103,7 @@ def main(argv=None) -> int:
         return plan_command(args, ap)
     if args.cmd == "demo":
         from .demo import run_demo
-        return run_demo(scale=args.scale)
+        return run_demo(scale=args.scale, repeats=args.repeats)
     return importlib.import_module(BENCHES[args.cmd][0]).run(args) or 0
 
 

@@ -244,7 +244,10 @@ def build_refit(args: argparse.Namespace, parser: Optional[argparse.ArgumentPars
     except ValueError as e:
         if parser is None:
             raise
-        parser.error(f"--model/--train/--infer: {str(e).splitlines()[0]}")
+        text = str(e).splitlines()[0]
+        which = ("--train" if text.startswith("Megatron") else
+                 "--infer" if text.startswith("vLLM") else "--model/--train/--infer")
+        parser.error(f"argument {which}: {text} (model {title})")
     n = args.gpus_per_node
     return Refit(title, config, args.train, args.infer, n, specs,
                  domains("train", args.train.world, n), domains("infer", args.infer.world, n))

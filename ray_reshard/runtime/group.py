@@ -13,7 +13,7 @@ from ..core.plan import DEFAULT_BUCKET_BYTES, Plan, PlanStats, plan as make_plan
 from ..core.planner import NETWORK, Endpoint
 from ..core.spec import TensorSpec
 from ..errors import RefitError, TransportError
-from . import worker
+from . import metrics, worker
 from .transport import torch_pg
 
 STRATEGIES = ("reshard", "gather_broadcast")
@@ -40,6 +40,14 @@ class RefitResult:
                 f"network {b['network'] / 1e6:.1f} MB (bound {self.plan_stats.min_network_bytes / 1e6:.1f} MB), "
                 f"domain {b['domain'] / 1e6:.1f} MB, local {b['local'] / 1e6:.1f} MB, "
                 f"{self.network_gbps:.2f} GB/s, peak staging {self.peak_staging_bytes / 1e6:.1f} MB/rank")
+
+    def to_dict(self) -> dict:
+        """Flat figures for experiment trackers (see `metrics.refit_dict`)."""
+        return metrics.refit_dict(self)
+
+    def to_arrow(self):
+        """`to_dict()` as a one-row pyarrow Table."""
+        return metrics.to_arrow(self.to_dict())
 
 
 def _actor_key(a) -> Any:
@@ -273,6 +281,7 @@ class ReshardGroup:
                 timeout=self.setup_timeout_s)
 
     # ---------------------------------------------------------------- refit
+    @metrics.observe_refit
     def refit(self, specs: Mapping[str, TensorSpec], *, atomic: bool = False,
               snapshot: bool = False, timeout_s: Optional[float] = None) -> RefitResult:
         """Write every destination's shards of `specs` in place from the sources' shards.
