@@ -61,7 +61,7 @@ def plan_command(args, ap) -> int:
     _ = plan.stats
     t2 = time.perf_counter()
     t = traffic(plan, args.bucket_mb << 20,
-                progress=lambda xs: progress(xs, len(xs), "walking moves"))
+                progress=lambda xs: progress(xs, len(xs), "traffic per tensor"))
     t3 = time.perf_counter()
     t.update(model=refit.title, train=describe(refit.train), infer=describe(refit.infer),
              gpus_per_node=refit.gpus_per_node, dtype=args.dtype,
