@@ -106,6 +106,7 @@ def refit_dict(result) -> dict[str, Any]:
         **{f"{p}_bytes": int(result.bytes_by_path.get(p, 0)) for p in PATHS},
         "network_gbps": result.network_gbps, "peak_staging_bytes": result.peak_staging_bytes,
         "extra_bytes": result.extra_bytes, "planned": result.planned,
+        "warnings": [str(w) for w in getattr(result, "warnings", ())],
     }
     out.update({f"plan_{k}": v for k, v in dataclasses.asdict(result.plan_stats).items()})
     return out
