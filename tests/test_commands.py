@@ -14,8 +14,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM = r"([0-9][0-9,]*\.?[0-9]*)"
 
 
-def run(*args, expect: int = 0, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", RAY_DEDUP_LOGS="0")
+def run(*args, expect: int = 0, timeout: float = 240, **env_vars) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", RAY_DEDUP_LOGS="0", **env_vars)
     p = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=timeout)
     assert p.returncode == expect, \
@@ -155,3 +155,19 @@ def test_soak_small():
     assert [int(r[0]) for r in rows] == [0, 2, 4]
     assert all(r[9] == "0" for r in rows)           # this group's segments: none left
     assert re.search(r"VERDICT: (flat|drifting)", out)
+
+
+def test_readme_first_example(tmp_path):
+    """The Python blocks of README's "First example" section, run as one script."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    section = text.split("## First example", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) >= 2
+    script = tmp_path / "first_example.py"
+    script.write_text("\n".join(blocks))
+    # RAY_ADDRESS=local: a private instance, never another cluster running on this machine.
+    out = run(str(script), RAY_ADDRESS="local").stdout
+    v, = figure(r"refit v(\d+) \[reshard\]", out)
+    assert v == 1
+    assert "gather-broadcast would move" in out
