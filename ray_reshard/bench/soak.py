@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from ray_reshard.cli_args import Parser, positive_float, positive_int
+from ray_reshard.cli_args import Parser, positive_float, positive_int, progress
 
 _SEG = re.compile(r"rr-[0-9a-f]{32}")
 
@@ -189,7 +189,7 @@ def main(refits: int = 300, every: int = 25, mb: float = 4.0, bucket_kb: int = 2
             rows.append(sample(0, []))
             lat: list = []
             t_start = time.perf_counter()
-            for i in range(1, refits + 1):
+            for i in progress(range(1, refits + 1), refits, "refits"):
                 k += 1
                 ray.get([a.__ray_call__.remote(_step, k) for a in src])
                 res = group.refit(specs)
