@@ -117,8 +117,16 @@ def test_help_of_every_subcommand(capsys):
 
 
 # ---------------------------------------------------------------- on a local Ray cluster
-def test_demo():
-    out = run("-m", "ray_reshard", "demo", "--repeats", "1").stdout
+@pytest.fixture(scope="module")
+def address(cluster):
+    """The session's two-node cluster, joined by the scripts (`testing.local_cluster`) instead
+    of each starting its own."""
+    return cluster.address
+
+
+def test_demo(address):
+    out = run("-m", "ray_reshard", "demo", "--repeats", "1",
+              RAY_RESHARD_CLUSTER_ADDRESS=address).stdout
     assert out.count("bit-exactly") == 2
     r_net, r_dom, _, r_s = figure(r"\nreshard\s+" + NUM + r"\s+" + NUM + r"\s+" + NUM + r"\s+"
                                   + NUM, out)
@@ -129,8 +137,9 @@ def test_demo():
     assert abs(ratio - g_net / r_net) < 0.1
 
 
-def test_bench_small():
-    out = run("-m", "ray_reshard", "bench", "--mb", "8", "--repeats", "1").stdout
+def test_bench_small(address):
+    out = run("-m", "ray_reshard", "bench", "--mb", "8", "--repeats", "1",
+              RAY_RESHARD_CLUSTER_ADDRESS=address).stdout
     assert out.count("== ") == 2
     for pat in (r"reshard: " + NUM + r" s, network " + NUM + " MB -> " + NUM + " GB/s",
                 r"raw point-to-point, same actors and transport: " + NUM + " GB/s",
@@ -139,8 +148,9 @@ def test_bench_small():
         assert all(x > 0 for x in figure(pat, out))
 
 
-def test_rebuild_small():
-    out = run("-m", "ray_reshard.bench.rebuild", "--repeats", "1", "--mb", "1").stdout
+def test_rebuild_small(address):
+    out = run("-m", "ray_reshard.bench.rebuild", "--repeats", "1", "--mb", "1",
+              RAY_RESHARD_CLUSTER_ADDRESS=address).stdout
     figure(r"update\(\) \(replace 1 destination\)\s+" + NUM + "s", out)
     figure(r"new ReshardGroup \(close \+ build\)\s+" + NUM + "s", out)
     u, b, _ = figure(r"to the first completed refit: update " + NUM + " s vs new group " + NUM
@@ -148,8 +158,9 @@ def test_rebuild_small():
     assert u > 0 and b > 0
 
 
-def test_soak_small():
-    out = run("-m", "ray_reshard.bench.soak", "--refits", "4", "--every", "2", "--mb", "0.5").stdout
+def test_soak_small(address):
+    out = run("-m", "ray_reshard.bench.soak", "--refits", "4", "--every", "2", "--mb", "0.5",
+              RAY_RESHARD_CLUSTER_ADDRESS=address).stdout
     assert "every sampled refit was bit-exact" in out
     rows = [line.split() for line in out.splitlines() if re.match(r"\s+\d+\s+[0-9.]+\s", line)]
     assert [int(r[0]) for r in rows] == [0, 2, 4]
@@ -171,3 +182,20 @@ def test_readme_first_example(tmp_path):
     v, = figure(r"refit v(\d+) \[reshard\]", out)
     assert v == 1
     assert "gather-broadcast would move" in out
+
+
+def test_plan_from_a_config_json(tmp_path, capsys):
+    from ray_reshard.__main__ import main
+    from ray_reshard.cli_args import MODELS
+
+    (tmp_path / "config.json").write_text(json.dumps(MODELS["small-moe"][1]))
+    args = ["plan", "--train", "megatron:tp=2,ep=2", "--infer", "vllm:tp=2,dp=2",
+            "--gpus-per-node", "2", "--json"]
+    assert main([*args, "--model", str(tmp_path)]) == 0
+    from_file = json.loads(capsys.readouterr().out)
+    assert main([*args, "--model", "small-moe"]) == 0
+    by_name = json.loads(capsys.readouterr().out)
+    assert from_file["train"] == "TP2xEP2xDP2"            # dp filled in to fit ep
+    for key in ("bytes_by_path", "lower_bound_bytes", "gather_broadcast_bytes",
+                "domain_network_bytes", "busiest_receivers"):
+        assert from_file[key] == by_name[key]
