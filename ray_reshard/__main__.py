@@ -9,6 +9,7 @@ Every command takes --help. A wrong argument prints one line and exits with stat
 """
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import os
@@ -30,8 +31,10 @@ BENCHES = {
 
 
 def parser() -> Parser:
-    ap = Parser(prog="ray-reshard", description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=Parser)
+    ap = Parser(prog="ray-reshard", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=Parser, metavar="command",
+                            help="plan, demo, " + ", ".join(BENCHES))
     p = sub.add_parser("plan", help="traffic report of a model's refit between two layouts",
                        description="What a refit moves: bytes by path vs the lower bound vs "
                                    "gather-broadcast, busiest ranks, buckets, staging.")
