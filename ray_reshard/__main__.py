@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -51,7 +52,14 @@ def parser() -> Parser:
     for name, (module, text) in BENCHES.items():
         b = sub.add_parser(name, help=text, description=text)
         importlib.import_module(module).add_args(b)
+    if _has_simulator():
+        sub.add_parser("simulate", help="predict a refit's time on a described cluster "
+                                        "(same --model/--train/--infer)", add_help=False)
     return ap
+
+
+def _has_simulator() -> bool:
+    return importlib.util.find_spec("ray_reshard.sim") is not None
 
 
 def plan_command(args, ap) -> int:
@@ -100,6 +108,10 @@ def plan_command(args, ap) -> int:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["simulate"] and _has_simulator():     # the simulator parses its own arguments
+        from .sim.cli import main as simulate
+        return simulate(argv[1:])
     ap = parser()
     args = ap.parse_args(argv)
     if args.cmd == "plan":

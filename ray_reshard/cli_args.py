@@ -6,7 +6,8 @@
     --gpus-per-node 8
 
 A layout is ``engine:key=value,...`` with the fields of `ray_reshard.models.Megatron` or
-`ray_reshard.models.VLLM`; ``layers_per_stage`` takes ``/``-separated counts (``4/4/3``). For
+`ray_reshard.models.VLLM`, read by their annotations: integers, sequences as ``/``-separated
+counts (``layers_per_stage=4/4/3``), booleans as true/false, anything else as text. For
 Megatron an omitted ``dp`` is the smallest that fits ``ep * etp`` into each stage, so
 ``megatron:pp=16,ep=16`` means TP1 x PP16 x EP16 x DP16. Every parse error is an
 `argparse.ArgumentTypeError` naming the field and the allowed values; `Parser` prints it as one
@@ -136,6 +137,9 @@ def _int_field(engine: str, key: str, value: str) -> int:
     return v
 
 
+_BOOLS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
+
+
 def layout_arg(text: str, engine: Optional[str] = None):
     """``megatron:tp=..,pp=..`` or ``vllm:tp=..,dp=..`` -> a Megatron or VLLM layout."""
     from .models import VLLM, Megatron
@@ -150,20 +154,26 @@ def layout_arg(text: str, engine: Optional[str] = None):
             f"followed by key=value pairs, e.g. "
             f"{'megatron:tp=4,pp=8,ep=16' if (engine or name) != 'vllm' else 'vllm:tp=8,dp=16'}")
     cls = classes[name]
-    fields = {f.name for f in dataclasses.fields(cls)}
+    fields = {f.name: str(f.type) for f in dataclasses.fields(cls)}
     kw: dict[str, Any] = {}
     for part in filter(None, (p.strip() for p in body.split(","))):
         key, eq, value = part.partition("=")
-        key = key.strip().lower()
+        key, value = key.strip().lower(), value.strip()
         if not eq or key not in fields:
             raise argparse.ArgumentTypeError(
                 f"{name}: unknown field {key!r}; allowed: {', '.join(sorted(fields))}")
-        if key == "experts":
-            kw[key] = value
-        elif key == "layers_per_stage":
+        kind = fields[key]                 # the annotation, as text
+        if "Sequence" in kind:
             kw[key] = tuple(_int_field(name, key, v) for v in value.split("/"))
-        else:
+        elif "bool" in kind:
+            if value.lower() not in _BOOLS:
+                raise argparse.ArgumentTypeError(f"{name}: {key} must be one of "
+                                                 f"{', '.join(_BOOLS)}, got {value!r}")
+            kw[key] = _BOOLS[value.lower()]
+        elif "int" in kind:
             kw[key] = _int_field(name, key, value)
+        else:
+            kw[key] = value
     if cls is Megatron and "dp" not in kw:
         per_stage = kw.get("tp", 1) * kw.get("cp", 1)
         expert = kw.get("ep", 1) * kw.get("etp", kw.get("tp", 1))
