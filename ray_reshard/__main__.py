@@ -1,40 +1,126 @@
-"""Command line: `python -m ray_reshard demo | bench | plan-scale | model-bytes`."""
+"""ray-reshard command line.
+
+    ray-reshard plan --model deepseek-v3 --train megatron:pp=16,ep=16 --infer vllm:tp=32,dp=8
+    ray-reshard demo | bench | model-bytes | plan-scale | soak | rebuild
+
+`plan` prints what a refit of a model between two layouts moves (no Ray, no GPU needed);
+`demo` refits a small model on a local CPU Ray cluster; the others are benchmarks.
+Every command takes --help. A wrong argument prints one line and exits with status 2.
+"""
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
+import json
+import os
 import sys
+import time
+
+from .cli_args import Parser, add_refit_args, build_refit, describe, positive_int, progress
+
+# subcommand -> (module, help); each module has add_args(parser) and run(args) -> int.
+BENCHES = {
+    "bench": ("ray_reshard.bench.refit_bench",
+              "reshard vs gather-broadcast vs raw bandwidth on local CPU actors"),
+    "model-bytes": ("ray_reshard.bench.model_bytes",
+                    "bytes of real-size models between their usual layouts (no transfer)"),
+    "plan-scale": ("ray_reshard.bench.plan_scale", "time planning a DeepSeek-V3-sized refit"),
+    "soak": ("ray_reshard.bench.soak", "hundreds of refits on one group, watching for drift"),
+    "rebuild": ("ray_reshard.bench.rebuild", "update() vs a new group after a membership change"),
+    "bench-faults": ("ray_reshard.bench.faults", "seconds from each kind of fault to RefitError"),
+}
+
+
+def parser() -> Parser:
+    ap = Parser(prog="ray-reshard", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=Parser, metavar="command",
+                            help="plan, demo, " + ", ".join(BENCHES))
+    p = sub.add_parser("plan", help="traffic report of a model's refit between two layouts",
+                       description="What a refit moves: bytes by path vs the lower bound vs "
+                                   "gather-broadcast, busiest ranks, buckets, staging.")
+    add_refit_args(p)
+    p.add_argument("--bucket-mb", type=positive_int, default=64, help="bucket size (default 64)")
+    p.add_argument("--png", metavar="DIR",
+                   help="write tilings.png (one parameter) and domains.png (traffic heat map)")
+    p.add_argument("--param", help="the parameter tilings.png draws (default: a telling one)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    d = sub.add_parser("demo", help="refit a small MoE model between Megatron and vLLM layouts "
+                                    "on a local CPU Ray cluster")
+    d.add_argument("--scale", type=positive_int, default=1, help="multiply the number of layers")
+    d.add_argument("--repeats", type=positive_int, default=3, help="timed refits per strategy")
+    for name, (module, text) in BENCHES.items():
+        b = sub.add_parser(name, help=text, description=text)
+        importlib.import_module(module).add_args(b)
+    if _has_simulator():
+        sub.add_parser("simulate", help="predict a refit's time on a described cluster "
+                                        "(same --model/--train/--infer)", add_help=False)
+    return ap
+
+
+def _has_simulator() -> bool:
+    return importlib.util.find_spec("ray_reshard.sim") is not None
+
+
+def plan_command(args, ap) -> int:
+    from .plan_report import render, traffic
+
+    t0 = time.perf_counter()
+    refit = build_refit(args, ap)
+    t1 = time.perf_counter()
+    plan = refit.plan()
+    _ = plan.stats
+    t2 = time.perf_counter()
+    t = traffic(plan, args.bucket_mb << 20,
+                progress=lambda xs: progress(xs, len(xs), "traffic per tensor"))
+    t3 = time.perf_counter()
+    t.update(model=refit.title, train=describe(refit.train), infer=describe(refit.infer),
+             gpus_per_node=refit.gpus_per_node, dtype=args.dtype,
+             seconds={"specs": t1 - t0, "plan": t2 - t1, "report": t3 - t2})
+    pictures = {}
+    if args.png:
+        from .pictures import draw_domain_traffic, draw_tilings, pick_parameter
+
+        name = args.param or pick_parameter(plan)
+        if name not in plan.index:
+            ap.error(f"argument --param: no parameter {name!r} in {refit.title}'s specs "
+                     f"(e.g. {next(iter(plan.names))!r})")
+        os.makedirs(args.png, exist_ok=True)
+        try:
+            pictures["tilings"] = draw_tilings(plan, name, os.path.join(args.png, "tilings.png"))
+        except ValueError as e:
+            ap.error(f"argument --param: {e}")
+        pictures["domains"] = draw_domain_traffic(
+            t["domain_network_bytes"], t["domains"]["src"], t["domains"]["dst"],
+            os.path.join(args.png, "domains.png"),
+            f"{refit.title}: {t['train']} -> {t['infer']}\nnetwork GB between NVLink domains")
+        t["pictures"] = pictures
+    if args.json:
+        print(json.dumps(t, indent=1))
+        return 0
+    print(render(t, f"{refit.title}: {refit.train} -> {refit.infer}, {args.dtype}, "
+                    f"{refit.gpus_per_node} ranks per NVLink domain"))
+    print(f"specs {t['seconds']['specs']:.2f} s, plan {t['seconds']['plan']:.2f} s, "
+          f"report {t['seconds']['report']:.2f} s")
+    for kind, path in pictures.items():
+        print(f"wrote {path}")
+    return 0
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="ray_reshard", description=__doc__)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="refit a small model between two layouts on a local CPU Ray cluster")
-    d.add_argument("--scale", type=int, default=1, help="multiply the number of layers")
-    b = sub.add_parser("bench", help="reshard vs gather-broadcast vs raw bandwidth on local actors")
-    b.add_argument("--mb", type=int, default=256, help="megabytes of weights")
-    b.add_argument("--repeats", type=int, default=3)
-    sub.add_parser("plan-scale", help="plan a DeepSeek-V3-sized refit and time it",
-                   add_help=False)
-    sub.add_parser("model-bytes", help="bytes of real-size models under the brief's layouts",
-                   add_help=False)
-    sub.add_parser("simulate", help="predict a refit's time on a described cluster", add_help=False)
-    args, rest = ap.parse_known_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["simulate"] and _has_simulator():     # the simulator parses its own arguments
+        from .sim.cli import main as simulate
+        return simulate(argv[1:])
+    ap = parser()
+    args = ap.parse_args(argv)
+    if args.cmd == "plan":
+        return plan_command(args, ap)
     if args.cmd == "demo":
         from .demo import run_demo
-        return run_demo(scale=args.scale)
-    if args.cmd == "bench":
-        from .bench.refit_bench import main as bench_main
-        return bench_main(mb=args.mb, repeats=args.repeats)
-    if args.cmd == "plan-scale":
-        from .bench.plan_scale import main as m
-        return m(rest) or 0
-    if args.cmd == "model-bytes":
-        from .bench.model_bytes import main as m
-        return m(rest) or 0
-    if args.cmd == "simulate":
-        from .sim.cli import main as m
-        return m(rest)
-    return 2
+        return run_demo(scale=args.scale, repeats=args.repeats)
+    return importlib.import_module(BENCHES[args.cmd][0]).run(args) or 0
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 
 import ray
 from ray.cluster_utils import Cluster
@@ -35,7 +36,19 @@ def start_cluster(nodes: int = 2, shared: bool = True):
 
 @contextlib.contextmanager
 def local_cluster(nodes: int = 2):
-    """A private local cluster for a script (demo, benchmarks); stopped on exit."""
+    """A private local cluster for a script (demo, benchmarks); stopped on exit.
+
+    With RAY_RESHARD_CLUSTER_ADDRESS set (tests running many scripts), the script joins that
+    cluster of `start_cluster` instead, and leaves it running.
+    """
+    address = os.environ.get("RAY_RESHARD_CLUSTER_ADDRESS")
+    if address:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        try:
+            yield None
+        finally:
+            ray.shutdown()
+        return
     cluster = start_cluster(nodes, shared=False)
     try:
         yield cluster

@@ -1,6 +1,6 @@
 """Seconds from a fault to RefitError, for each kind of fault, on a local two-node cluster.
 
-    python -m ray_reshard bench-faults [--timeout 10] [--repeats 1]
+    ray-reshard bench-faults [--timeout 10] [--repeats 1]
 
 Two source actors on one node, two destination replicas on the other (network and a
 shared-memory ring both used). Each fault is armed in one destination, the refit is timed from
@@ -20,6 +20,7 @@ import torch
 from ray import cloudpickle
 
 import ray_reshard as rr
+from ray_reshard.cli_args import positive_float, positive_int
 from ray_reshard.testing import Holder, local_cluster
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -105,14 +106,14 @@ def measure(timeout_s: float = 10.0, repeats: int = 1) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="ray_reshard bench-faults", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--timeout", type=float, default=10.0, help="refit deadline (s)")
-    ap.add_argument("--repeats", type=int, default=1)
-    args = ap.parse_args(argv)
-    if args.timeout <= 0 or args.repeats < 1:
-        ap.error("--timeout must be > 0 and --repeats >= 1")
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--timeout", type=positive_float, default=10.0,
+                   help="refit deadline in s (default 10)")
+    p.add_argument("--repeats", type=positive_int, default=1,
+                   help="runs of each fault (default 1)")
+
+
+def run(args) -> int:
     with local_cluster(2):
         res = measure(args.timeout, args.repeats)
     print(f"seconds from fault to RefitError (refit deadline {args.timeout:.0f} s, "
@@ -120,6 +121,13 @@ def main(argv=None) -> int:
     for kind, secs in res.items():
         print(f"  {kind:<22} {statistics.median(secs):6.2f} s   ({FAULTS[kind]})")
     return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="ray-reshard bench-faults", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(ap)
+    return run(ap.parse_args(argv))
 
 
 if __name__ == "__main__":

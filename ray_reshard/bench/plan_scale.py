@@ -7,12 +7,12 @@ per-signature cache), including the lazily computed `Plan.stats`. The schedule i
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import time
 
 import torch
 
+from ray_reshard.cli_args import Parser, positive_int
 from ray_reshard.core import Layout, Mesh, Replicate, Shard, TensorSpec, plan
 from ray_reshard.core.planner import clear_caches, plan_tensor
 
@@ -118,16 +118,23 @@ def domains():
     return src, dst
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_args(ap) -> None:
     ap.add_argument("--schedule", action="store_true",
                     help="also time build_schedule on the first --schedule-layers layers")
-    ap.add_argument("--schedule-layers", type=int, default=8,
+    ap.add_argument("--schedule-layers", type=positive_int, default=8,
                     help="layers whose tensors the schedule timing covers (61: the whole model; "
                          "slow and memory hungry: every tensor's moves become bucket items)")
-    ap.add_argument("--bucket-mb", type=int, default=64)
-    ap.add_argument("--repeat", type=int, default=3, help="cold runs (best is reported)")
-    args = ap.parse_args(argv)
+    ap.add_argument("--bucket-mb", type=positive_int, default=64)
+    ap.add_argument("--repeat", type=positive_int, default=3, help="cold runs (best is reported)")
+
+
+def main(argv=None) -> int:
+    ap = Parser(prog="ray-reshard plan-scale", description=__doc__.splitlines()[0])
+    add_args(ap)
+    return run(ap.parse_args(argv))
+
+
+def run(args) -> int:
 
     t0 = time.perf_counter()
     specs = build_specs()
@@ -174,7 +181,8 @@ def main(argv=None) -> None:
         print(f"schedule of the first {args.schedule_layers} layers ({len(sub)} tensors, "
               f"{n_moves} moves, {args.bucket_mb} MiB buckets): {len(sched)} transfers in "
               f"{dt:.2f} s (cpu {dc:.2f} s, {dc / max(1, n_moves) * 1e6:.1f} us per move)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

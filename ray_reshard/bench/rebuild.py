@@ -17,11 +17,12 @@ have its replacement ready; what is timed is ray-reshard's own work.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
+
+from ray_reshard.cli_args import Parser, positive_float, positive_int
 
 
 def main(repeats: int = 5, mb: float = 8.0, bucket_mb: float = 64.0) -> int:
@@ -108,10 +109,18 @@ def main(repeats: int = 5, mb: float = 8.0, bucket_mb: float = 64.0) -> int:
         return 0
 
 
+def add_args(ap) -> None:
+    ap.add_argument("--repeats", type=positive_int, default=5)
+    ap.add_argument("--mb", type=positive_float, default=8.0, help="megabytes of weights")
+    ap.add_argument("--bucket-mb", type=positive_float, default=64.0,
+                    help="bucket_bytes in MB (ring slots)")
+
+
+def run(args) -> int:
+    return main(args.repeats, args.mb, args.bucket_mb)
+
+
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--mb", type=float, default=8.0)
-    ap.add_argument("--bucket-mb", type=float, default=64.0, help="bucket_bytes in MB (ring slots)")
-    args = ap.parse_args()
-    raise SystemExit(main(args.repeats, args.mb, args.bucket_mb))
+    ap = Parser(prog="python -m ray_reshard.bench.rebuild", description=__doc__.splitlines()[0])
+    add_args(ap)
+    raise SystemExit(run(ap.parse_args()))

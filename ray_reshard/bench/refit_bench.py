@@ -11,6 +11,8 @@ import statistics
 
 import torch
 
+from ray_reshard.cli_args import Parser, positive_int
+
 
 def _layouts():
     import ray_reshard as rr
@@ -85,5 +87,17 @@ def main(mb: int = 256, repeats: int = 3) -> int:
         return 0
 
 
+def add_args(ap) -> None:
+    ap.add_argument("--mb", type=positive_int, default=256, help="megabytes of weights")
+    ap.add_argument("--repeats", type=positive_int, default=3)
+
+
+def run(args) -> int:
+    return main(mb=args.mb, repeats=args.repeats)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    ap = Parser(prog="python -m ray_reshard.bench.refit_bench",
+                description=__doc__.splitlines()[0])
+    add_args(ap)
+    raise SystemExit(run(ap.parse_args()))

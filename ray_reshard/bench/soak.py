@@ -15,7 +15,6 @@ and a verdict per metric: flat, or drifting with the fitted slope.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import statistics
@@ -23,6 +22,8 @@ import time
 from typing import Optional
 
 import torch
+
+from ray_reshard.cli_args import Parser, positive_float, positive_int, progress
 
 _SEG = re.compile(r"rr-[0-9a-f]{32}")
 
@@ -155,7 +156,7 @@ def main(refits: int = 300, every: int = 25, mb: float = 4.0, bucket_kb: int = 2
 
         rows = []
         with rr.ReshardGroup(src, dst, bucket_bytes=bucket_kb * 1024, timeout_s=60) as group:
-            helpers = list(group._helpers.values())
+            helpers = list(group.resources()["helpers"].values())
             watched = src + dst + helpers
 
             def sample(i: int, lat: list) -> dict:
@@ -163,7 +164,7 @@ def main(refits: int = 300, every: int = 25, mb: float = 4.0, bucket_kb: int = 2
                 # This group's segments still named in /dev/shm (rings are sealed once mapped,
                 # so 0 is expected) plus what its helpers still hold for it.
                 ours = sum(os.path.exists(os.path.join("/dev/shm", n))
-                           for n in group._rings.values())
+                           for n in group.resources()["segments"])
                 ours += sum(len(x) for x in ray.get([h.segments.remote(group.group_id)
                                                      for h in helpers]))
                 actors_p, helpers_p = probes[:8], probes[8:]
@@ -188,7 +189,7 @@ def main(refits: int = 300, every: int = 25, mb: float = 4.0, bucket_kb: int = 2
             rows.append(sample(0, []))
             lat: list = []
             t_start = time.perf_counter()
-            for i in range(1, refits + 1):
+            for i in progress(range(1, refits + 1), refits, "refits"):
                 k += 1
                 ray.get([a.__ray_call__.remote(_step, k) for a in src])
                 res = group.refit(specs)
@@ -253,11 +254,19 @@ def _report(rows: list, refits: int, wall: float, total: int) -> None:
     print(f"\nVERDICT: {'flat' if all(verdicts) else 'drifting'}")
 
 
+def add_args(ap) -> None:
+    ap.add_argument("--refits", type=positive_int, default=300)
+    ap.add_argument("--every", type=positive_int, default=25, help="sample every N refits")
+    ap.add_argument("--mb", type=positive_float, default=4.0,
+                    help="megabytes of weights (approx.)")
+    ap.add_argument("--bucket-kb", type=positive_int, default=256)
+
+
+def run(args) -> int:
+    return main(args.refits, args.every, args.mb, args.bucket_kb)
+
+
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--refits", type=int, default=300)
-    ap.add_argument("--every", type=int, default=25, help="sample every N refits")
-    ap.add_argument("--mb", type=float, default=4.0, help="megabytes of weights (approx.)")
-    ap.add_argument("--bucket-kb", type=int, default=256)
-    args = ap.parse_args()
-    raise SystemExit(main(args.refits, args.every, args.mb, args.bucket_kb))
+    ap = Parser(prog="python -m ray_reshard.bench.soak", description=__doc__.splitlines()[0])
+    add_args(ap)
+    raise SystemExit(run(ap.parse_args()))

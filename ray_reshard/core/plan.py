@@ -4,7 +4,7 @@ from __future__ import annotations
 import gc
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import cached_property
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
@@ -45,6 +45,14 @@ class PlanStats:
             f"gather-broadcast would move {gb(self.gather_broadcast_bytes)} "
             f"({ratio:.1f}x the network bytes)",
         ])
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_arrow(self):
+        """`to_dict()` as a one-row pyarrow Table."""
+        import pyarrow as pa
+        return pa.Table.from_pylist([self.to_dict()])
 
 
 @dataclass(frozen=True)

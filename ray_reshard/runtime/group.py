@@ -17,7 +17,7 @@ from ..core.plan import DEFAULT_BUCKET_BYTES, Plan, PlanStats, plan as make_plan
 from ..core.planner import NETWORK, Endpoint
 from ..core.spec import TensorSpec
 from ..errors import RefitError, TransportError
-from . import worker
+from . import metrics, worker
 from .transport import torch_pg
 from .transport.devices import choose_backend
 
@@ -53,6 +53,14 @@ class RefitResult:
                 f"network {b['network'] / 1e6:.1f} MB (bound {self.plan_stats.min_network_bytes / 1e6:.1f} MB), "
                 f"domain {b['domain'] / 1e6:.1f} MB, local {b['local'] / 1e6:.1f} MB, "
                 f"{self.network_gbps:.2f} GB/s, peak staging {self.peak_staging_bytes / 1e6:.1f} MB/rank")
+
+    def to_dict(self) -> dict:
+        """Flat figures for experiment trackers (see `metrics.refit_dict`)."""
+        return metrics.refit_dict(self)
+
+    def to_arrow(self):
+        """`to_dict()` as a one-row pyarrow Table."""
+        return metrics.to_arrow(self.to_dict())
 
 
 def _actor_key(a) -> Any:
@@ -345,6 +353,7 @@ class ReshardGroup:
                              ) from None
 
     # ---------------------------------------------------------------- refit
+    @metrics.observe_refit
     def refit(self, specs: Mapping[str, TensorSpec], *, atomic: bool = False,
               snapshot: bool = False, timeout_s: Optional[float] = None) -> RefitResult:
         """Write every destination's shards of `specs` in place from the sources' shards.
@@ -608,6 +617,20 @@ class ReshardGroup:
                 self.close()
         except Exception:
             pass
+
+    def resources(self) -> dict:
+        """What this group holds now (read on the driver, no remote call), for leak checks.
+
+        `segments`: names of its shared-memory ring segments (unlinked from /dev/shm once both
+        ends mapped them); `helpers`: node id -> that node's helper actor (shared by this
+        driver's groups; `helper.segments.remote(group_id)` lists what it still holds for this
+        group); `programs`: spec sets installed on the actors; `plans`: plans cached;
+        `processes`: member processes.
+        """
+        return {"group_id": self.group_id,
+                "segments": sorted(name for name, _ in self._rings.values()),
+                "helpers": dict(self._helpers), "programs": len(self._installed),
+                "plans": len(self._plans), "processes": len(self._procs)}
 
 
 _HELPERS: dict = {}      # (cluster session, node id) -> NodeHelper, shared by this driver's groups

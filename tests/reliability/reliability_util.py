@@ -89,23 +89,17 @@ def shm_files():
     return {f for f in os.listdir("/dev/shm") if SEG_RE.fullmatch(f)}
 
 
-def helper_segments(group_id):
-    """Segments the node helpers still hold for `group_id`, by node."""
-    from ray_reshard.runtime.group import _HELPERS, _session
-    out = {}
-    for (session, node), h in list(_HELPERS.items()):
-        if session != _session():
-            continue
-        out[node] = ray.get(h.segments.remote(group_id), timeout=30)
-    return out
+def helper_segments(group_id, helpers):
+    """Segments the node helpers (node id -> helper) still hold for `group_id`, by node."""
+    return {node: ray.get(h.segments.remote(group_id), timeout=30) for node, h in helpers.items()}
 
 
-def assert_no_leaks(group_id, group_name, ring_names, live_actors, deadline_s=15.0):
+def assert_no_leaks(group_id, group_name, ring_names, helpers, live_actors, deadline_s=15.0):
     """After close()/update(): nothing of the old group stays anywhere we can look."""
     t_end = time.monotonic() + deadline_s
     while True:
         states = process_state(live_actors, group_id, group_name)
-        segs = helper_segments(group_id)
+        segs = helper_segments(group_id, helpers)
         files = shm_files() & set(ring_names)
         problems = []
         for s in states:

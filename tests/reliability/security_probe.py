@@ -73,12 +73,12 @@ def main():
             out["refit_exact"] = all(
                 torch.equal(got[r][k], rr.shard_tensor(full[k].to(s.dtype), s.dst, r))
                 for k, s in specs.items() for r in range(3))
-            out["ring_names"] = sorted(name for name, _ in group._rings.values())
+            out["ring_names"] = group.resources()["segments"]
             out["mapped"] = ray.get([a.__ray_call__.remote(mappings) for a in actors])
             out["in_dev_shm"] = sorted(n for n in out["ring_names"]
                                        if os.path.exists(os.path.join("/dev/shm", n)))
             # Segments straight from a node helper, before they are sealed.
-            helper = next(iter(group._helpers.values()))
+            helper = next(iter(group.resources()["helpers"].values()))
             names = ray.get(helper.create_rings.remote("security-probe", 3, 4096))
             out["helper_names"] = names
             out["helper_files"] = {}

@@ -72,8 +72,8 @@ class Rig:
         return res
 
     def snapshot_old(self):
-        g = self.group
-        return g.group_id, g.group_name, [name for name, _ in g._rings.values()]
+        g, held = self.group, self.group.resources()
+        return g.group_id, g.group_name, held["segments"], held["helpers"]
 
 
 @pytest.fixture(scope="module")
@@ -248,7 +248,7 @@ def test_update_with_a_dead_member_fails_fast_and_names_it(rig):
 def test_node_helper_killed(rig):
     """Helpers only create rings; one that dies is replaced when rings are next needed."""
     src, dst = rig.src, rig.dst
-    for h in list(rig.group._helpers.values()):
+    for h in list(rig.group.resources()["helpers"].values()):
         ray.kill(h, no_restart=True)
     rig.refit_ok()                                   # rings already mapped: unaffected
     dst[0] = rig.spare(1)                            # new member: new rings, new helpers
@@ -256,4 +256,4 @@ def test_node_helper_killed(rig):
     rig.group.update(dst_actors=dst)
     rig.refit_ok()
     assert time.monotonic() - t0 < 3 * MARGIN
-    assert all(ray.get([h.ping.remote() for h in rig.group._helpers.values()], timeout=30))
+    assert all(ray.get([h.ping.remote() for h in rig.group.resources()["helpers"].values()], timeout=30))

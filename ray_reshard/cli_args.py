@@ -1,0 +1,316 @@
+"""Command-line arguments shared by the commands that describe a refit of a real model.
+
+    --model deepseek-v3 | path/to/config.json (or its directory)
+    --train megatron:tp=1,pp=16,ep=16,etp=1,dp=16
+    --infer vllm:tp=32,dp=8,ep=32
+    --gpus-per-node 8
+
+A layout is ``engine:key=value,...`` with the fields of `ray_reshard.models.Megatron` or
+`ray_reshard.models.VLLM`, read by their annotations: integers, sequences as ``/``-separated
+counts (``layers_per_stage=4/4/3``), booleans as true/false, anything else as text. For
+Megatron an omitted ``dp`` is the smallest that fits ``ep * etp`` into each stage, so
+``megatron:pp=16,ep=16`` means TP1 x PP16 x EP16 x DP16. Every parse error is an
+`argparse.ArgumentTypeError` naming the field and the allowed values; `Parser` prints it as one
+line and exits with status 2 (no traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+# Real model configs written inline (no download): name -> (title, HF config).
+LLAMA3_70B = {
+    "model_type": "llama", "vocab_size": 128256, "hidden_size": 8192,
+    "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+    "num_key_value_heads": 8, "tie_word_embeddings": False,
+}
+QWEN3_235B = {
+    "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 4096,
+    "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_hidden_layers": 94,
+    "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+    "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "tie_word_embeddings": False,
+}
+DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_routed_experts": 256,
+    "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+    "moe_layer_freq": 1, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "tie_word_embeddings": False,
+    "topk_method": "noaux_tc", "num_nextn_predict_layers": 1,
+}
+# The demo's small Qwen3-MoE (seconds to plan; what tests and smoke runs use).
+SMALL_MOE = {
+    "model_type": "qwen3_moe", "hidden_size": 768, "intermediate_size": 2048,
+    "moe_intermediate_size": 384, "num_hidden_layers": 4, "num_attention_heads": 12,
+    "num_key_value_heads": 2, "head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2,
+    "vocab_size": 8000, "tie_word_embeddings": False, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "rms_norm_eps": 1e-6, "norm_topk_prob": True,
+}
+MODELS = {
+    "llama70b": ("Llama-3-70B", LLAMA3_70B),
+    "qwen3-235b": ("Qwen3-235B-A22B", QWEN3_235B),
+    "deepseek-v3": ("DeepSeek-V3", DEEPSEEK_V3),
+    "small-moe": ("small Qwen3-MoE", SMALL_MOE),
+}
+ENGINES = {"megatron": "train", "vllm": "infer"}
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+class Parser(argparse.ArgumentParser):
+    """ArgumentParser whose errors are one line on stderr and exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+# ---------------------------------------------------------------- argument types
+def positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
+
+
+def positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = 0.0
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return v
+
+
+def model_arg(text: str) -> tuple[str, dict]:
+    """A known model name or a path to a HF config.json (or its directory) -> (title, config)."""
+    from .models import model_dims
+
+    if text in MODELS:
+        return MODELS[text]
+    path = os.path.join(text, "config.json") if os.path.isdir(text) else text
+    if not os.path.isfile(path):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither a known model ({', '.join(MODELS)}) nor a config.json file")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {e}") from None
+    if not isinstance(config, dict):
+        raise argparse.ArgumentTypeError(f"{path} does not hold a JSON object")
+    try:
+        model_dims(config)
+    except (ValueError, KeyError, TypeError) as e:
+        raise argparse.ArgumentTypeError(f"{path}: {e}") from None
+    return os.path.basename(os.path.dirname(os.path.abspath(path))) or path, config
+
+
+def models_list_arg(text: str) -> list[str]:
+    """Comma-separated known model names."""
+    names = [n for n in text.split(",") if n]
+    bad = [n for n in names if n not in MODELS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown model {', '.join(map(repr, bad)) or repr(text)}; choose from "
+            f"{', '.join(MODELS)} (comma-separated)")
+    return names
+
+
+def _int_field(engine: str, key: str, value: str) -> int:
+    try:
+        v = int(value)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{engine}: {key} must be a positive integer, "
+                                         f"got {value!r}")
+    return v
+
+
+_BOOLS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
+
+
+def layout_arg(text: str, engine: Optional[str] = None):
+    """``megatron:tp=..,pp=..`` or ``vllm:tp=..,dp=..`` -> a Megatron or VLLM layout."""
+    from .models import VLLM, Megatron
+
+    classes = {"megatron": Megatron, "vllm": VLLM}
+    name, _, body = text.partition(":")
+    name = name.strip().lower()
+    if name not in classes or (engine is not None and name != engine):
+        allowed = [engine] if engine else list(classes)
+        raise argparse.ArgumentTypeError(
+            f"layout {text!r} must start with {' or '.join(a + ':' for a in allowed)} "
+            f"followed by key=value pairs, e.g. "
+            f"{'megatron:tp=4,pp=8,ep=16' if (engine or name) != 'vllm' else 'vllm:tp=8,dp=16'}")
+    cls = classes[name]
+    fields = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+    kw: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in body.split(","))):
+        key, eq, value = part.partition("=")
+        key, value = key.strip().lower(), value.strip()
+        if not eq or key not in fields:
+            raise argparse.ArgumentTypeError(
+                f"{name}: unknown field {key!r}; allowed: {', '.join(sorted(fields))}")
+        kind = fields[key]                 # the annotation, as text
+        if "Sequence" in kind:
+            kw[key] = tuple(_int_field(name, key, v) for v in value.split("/"))
+        elif "bool" in kind:
+            if value.lower() not in _BOOLS:
+                raise argparse.ArgumentTypeError(f"{name}: {key} must be one of "
+                                                 f"{', '.join(_BOOLS)}, got {value!r}")
+            kw[key] = _BOOLS[value.lower()]
+        elif "int" in kind:
+            kw[key] = _int_field(name, key, value)
+        else:
+            kw[key] = value
+    if cls is Megatron and "dp" not in kw:
+        per_stage = kw.get("tp", 1) * kw.get("cp", 1)
+        expert = kw.get("ep", 1) * kw.get("etp", kw.get("tp", 1))
+        kw["dp"] = expert // math.gcd(per_stage, expert)
+    try:
+        return cls(**kw)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{name}: {e}") from None
+
+
+def train_arg(text: str):
+    return layout_arg(text, "megatron")
+
+
+def infer_arg(text: str):
+    return layout_arg(text, "vllm")
+
+
+# ---------------------------------------------------------------- the shared set
+def add_refit_args(p: argparse.ArgumentParser, *, model: str = "deepseek-v3",
+                   train: str = "megatron:pp=16,ep=16",
+                   infer: str = "vllm:tp=32,dp=8") -> None:
+    """--model, --train, --infer, --gpus-per-node, --dtype, --hf-experts."""
+    p.add_argument("--model", type=model_arg, default=model,
+                   help=f"a known model ({', '.join(MODELS)}) or a path to a HF config.json "
+                        f"(default {model})")
+    p.add_argument("--train", type=train_arg, default=train,
+                   help=f"training layout, megatron:tp=..,pp=..,ep=..,etp=..,dp=.. "
+                        f"(default {train})")
+    p.add_argument("--infer", type=infer_arg, default=infer,
+                   help=f"inference layout, vllm:tp=..,dp=..,pp=..,ep=.. (default {infer})")
+    p.add_argument("--gpus-per-node", type=positive_int,
+                   default=8, help="ranks per NVLink domain on each side (default 8)")
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16",
+                   help="inference dtype (default bfloat16)")
+    p.add_argument("--hf-experts", choices=("split", "fused"), default="split",
+                   help="HF naming of experts: split (checkpoints) or fused (transformers >= 5)")
+
+
+@dataclass
+class Refit:
+    """A described refit: the model, both layouts, the specs and the domains of every rank."""
+
+    title: str
+    config: dict
+    train: Any
+    infer: Any
+    gpus_per_node: int
+    specs: dict
+    src_domains: list
+    dst_domains: list
+
+    def plan(self):
+        from .core.plan import plan
+        from .models.recipe import gc_paused
+
+        with gc_paused():
+            return plan(self.specs, self.src_domains, self.dst_domains)
+
+
+def domains(side: str, world: int, per_node: int) -> list:
+    """Domain label of each rank: consecutive blocks of `per_node` ranks (`train0`, `train1`...)."""
+    return [f"{side}{r // per_node}" for r in range(world)]
+
+
+def build_refit(args: argparse.Namespace, parser: Optional[argparse.ArgumentParser] = None
+                ) -> Refit:
+    """Specs and domains from parsed `add_refit_args` arguments. A model/layout mismatch (e.g.
+    ep not dividing the experts) goes to `parser.error` (one line, status 2) when given."""
+    import torch
+
+    from .models import Recipe
+
+    title, config = args.model
+    train = even_out_stages(args.train, config.get("num_hidden_layers", 0))
+    try:
+        recipe = Recipe(config, train, args.infer, hf_experts=args.hf_experts)
+        specs = recipe.specs(getattr(torch, args.dtype))
+    except ValueError as e:
+        if parser is None:
+            raise
+        text = str(e).splitlines()[0]
+        which = ("--train" if text.startswith("Megatron") else
+                 "--infer" if text.startswith("vLLM") else "--model/--train/--infer")
+        parser.error(f"argument {which}: {text} (model {title})")
+    n = args.gpus_per_node
+    return Refit(title, config, train, args.infer, n, specs,
+                 domains("train", train.world, n), domains("infer", args.infer.world, n))
+
+
+def even_out_stages(train, layers: int):
+    """Megatron with layers that do not divide over the pipeline stages and no first/last stage
+    sizes given: the usual split, full middle stages (ceil(layers / pp) each) and the rest shared
+    by the first and last stage (DeepSeek-V3 on PP16: 3 + 14 x 4 + 2; Qwen3-235B on PP8:
+    11 + 6 x 12 + 11)."""
+    pp = getattr(train, "pp", 1)
+    if (not isinstance(train, Megatron) or pp < 3 or not layers or layers % pp == 0
+            or train.first_stage_layers is not None or train.last_stage_layers is not None):
+        return train
+    middle = -(-layers // pp)
+    rest = layers - (pp - 2) * middle
+    if rest < 2:
+        return train
+    return dataclasses.replace(train, first_stage_layers=(rest + 1) // 2,
+                               last_stage_layers=rest // 2)
+
+
+def describe(layout) -> str:
+    """`Megatron TP4xPP8` -> `TP4xPP8`."""
+    return str(layout).split(" ", 1)[-1]
+
+
+def progress(iterable, total: Optional[int] = None, desc: str = "", enable: Optional[bool] = None):
+    """A progress bar on stderr for long loops (tqdm; shown only on a terminal by default)."""
+    if enable is None:
+        enable = sys.stderr.isatty()
+    if not enable:
+        return iterable
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _bar(iterable, total, desc)
+    return tqdm(iterable, total=total, desc=desc, file=sys.stderr, leave=False, mininterval=0.5)
+
+
+def _bar(iterable, total, desc):
+    import time
+
+    total = total if total is not None else len(iterable)
+    last = 0.0
+    for i, x in enumerate(iterable, 1):
+        now = time.monotonic()
+        if now - last > 0.5 or i == total:
+            done = int(30 * i / max(total, 1))
+            sys.stderr.write(f"\r{desc} [{'#' * done}{'.' * (30 - done)}] {i}/{total}")
+            sys.stderr.flush()
+            last = now
+        yield x
+    sys.stderr.write("\r" + " " * (len(desc) + 50) + "\r")

@@ -1,0 +1,117 @@
+"""Traffic report of a plan: what `ray-reshard plan` prints, as data and as text.
+
+`traffic(plan)` walks every move once: network bytes between each pair of NVLink domains, and
+bytes per (sender, receiver, path) pair. Buckets come from the real schedule when the plan has
+at most `exact_buckets_up_to` moves; above that (building the schedule of tens of millions of
+moves takes minutes) each pair's bytes are divided by `bucket_bytes`, rounded up: the count if
+every bucket were full, a lower bound. Busiest ranks come from the plan's per-rank figures. Staging: a rank stages at most `window` buckets at once
+(double buffering), and only pieces that are strided in its storage or change dtype.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any, Optional
+
+from .core.plan import DEFAULT_BUCKET_BYTES, Plan
+from .core.planner import NETWORK, PATHS
+
+STAGING_WINDOW = 2          # buckets a rank stages at once (the executor's double buffering)
+
+
+def traffic(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES, top: int = 3,
+            progress=None, exact_buckets_up_to: int = 200_000) -> dict[str, Any]:
+    """Figures of `plan` as plain data (JSON-ready). `progress` wraps the walk over tensors."""
+    topo = plan.topology
+    st = plan.stats
+    src_doms = list(dict.fromkeys(topo.src_domains))
+    dst_doms = list(dict.fromkeys(topo.dst_domains))
+    si = {d: i for i, d in enumerate(src_doms)}
+    di = {d: i for i, d in enumerate(dst_doms)}
+    src_of = [si[d] for d in topo.src_domains]
+    dst_of = [di[d] for d in topo.dst_domains]
+    matrix = [[0] * len(dst_doms) for _ in src_doms]
+    pairs: dict = defaultdict(int)
+    tensors = plan.tensor_plans if progress is None else progress(plan.tensor_plans)
+    for tp in tensors:
+        isz = tp.itemsize
+        for m in tp.moves:
+            b = m.box.numel * isz
+            pairs[(m.src, m.dst, m.path)] += b
+            if m.path == NETWORK:
+                matrix[src_of[m.src.rank]][dst_of[m.dst]] += b
+    handled: dict = defaultdict(int)        # bytes each rank sends or receives, any path
+    for (src, dst, _), b in pairs.items():
+        handled[src] += b
+        handled[("dst", dst)] += b
+    buckets = {p: 0 for p in PATHS}
+    exact = st.n_moves <= exact_buckets_up_to
+    if exact:
+        for tr in plan.schedule(bucket_bytes).transfers:
+            buckets[tr.path] += 1
+    else:
+        for (_, _, path), b in pairs.items():
+            buckets[path] += math.ceil(b / bucket_bytes)
+    send, recv = plan.send_bytes_by_rank, plan.recv_bytes_by_rank
+    busiest = lambda d, doms: [{"rank": r, "domain": str(doms[r]), "bytes": b}
+                               for r, b in sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))[:top]]
+    mean = lambda d, n: sum(d.values()) / n if n else 0.0
+    return {
+        "tensors": st.n_tensors, "distinct_plans": st.n_signatures, "moves": st.n_moves,
+        "total_bytes": st.total_bytes,
+        "bytes_by_path": {"network": st.network_bytes, "domain": st.domain_bytes,
+                          "local": st.local_bytes},
+        "lower_bound_bytes": st.min_network_bytes,
+        "gather_broadcast_bytes": st.gather_broadcast_bytes,
+        "gather_broadcast_over_network": (st.gather_broadcast_bytes / st.network_bytes
+                                          if st.network_bytes else None),
+        "ranks": {"src": topo.n_src, "dst": topo.n_dst},
+        "busiest_senders": busiest(send, topo.src_domains),
+        "busiest_receivers": busiest(recv, topo.dst_domains),
+        "mean_send_bytes": mean(send, topo.n_src), "mean_recv_bytes": mean(recv, topo.n_dst),
+        "bucket_bytes": bucket_bytes,
+        "buckets_by_path": buckets, "buckets_exact": exact,
+        "pairs_by_path": {p: sum(1 for k in pairs if k[2] == p) for p in PATHS},
+        "peak_staging_bound_bytes": min(STAGING_WINDOW * bucket_bytes,
+                                        max(handled.values(), default=0)),
+        "domains": {"src": [str(d) for d in src_doms], "dst": [str(d) for d in dst_doms]},
+        "domain_network_bytes": matrix,
+    }
+
+
+def render(t: dict, title: Optional[str] = None) -> str:
+    """The report as text."""
+    gb = lambda b: f"{b / 1e9:,.3f} GB"
+    by = t["bytes_by_path"]
+    ratio = t["gather_broadcast_over_network"]
+    lines = []
+    if title:
+        lines.append(title)
+    lines += [
+        f"tensors {t['tensors']} ({t['distinct_plans']} distinct plans), {gb(t['total_bytes'])} "
+        f"of weights, {t['moves']} moves, {t['ranks']['src']} -> {t['ranks']['dst']} ranks, "
+        f"{len(t['domains']['src'])} -> {len(t['domains']['dst'])} domains",
+        "",
+        f"{'bytes by path':<34}{'GB':>14}",
+        f"{'  network (between domains)':<34}{by['network'] / 1e9:>14,.3f}",
+        f"{'  domain (NVLink / shared memory)':<34}{by['domain'] / 1e9:>14,.3f}",
+        f"{'  local (same device)':<34}{by['local'] / 1e9:>14,.3f}",
+        f"{'network lower bound':<34}{t['lower_bound_bytes'] / 1e9:>14,.3f}",
+        f"{'gather-broadcast':<34}{t['gather_broadcast_bytes'] / 1e9:>14,.3f}",
+        f"network == lower bound: {'yes' if by['network'] == t['lower_bound_bytes'] else 'NO'}; "
+        f"gather-broadcast / network = " + (f"{ratio:.1f}x" if ratio is not None else "n/a"),
+        "",
+        f"busiest senders (network, mean {gb(t['mean_send_bytes'])}): "
+        + ", ".join(f"src {x['rank']} {gb(x['bytes'])}" for x in t["busiest_senders"]),
+        f"busiest receivers (network, mean {gb(t['mean_recv_bytes'])}): "
+        + ", ".join(f"dst {x['rank']} {gb(x['bytes'])}" for x in t["busiest_receivers"]),
+        f"buckets of {t['bucket_bytes'] / 2 ** 20:g} MiB"
+        + (" (from the schedule): " if t["buckets_exact"] else " (at least; full buckets): ")
+        + ", ".join(f"{p} {t['buckets_by_path'][p]} over "
+                                               f"{t['pairs_by_path'][p]} pairs"
+                                               for p in ("network", "domain", "local")),
+        f"peak staging per rank: at most {t['peak_staging_bound_bytes'] / 2 ** 20:,.1f} MiB "
+        f"({STAGING_WINDOW} buckets, or all a rank moves if less; only strided pieces and "
+        f"dtype conversions are staged)",
+    ]
+    return "\n".join(lines)

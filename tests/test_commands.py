@@ -1,0 +1,201 @@
+"""Every command README shows runs, in a small mode, as a user would run it (a subprocess), and
+prints the figures it claims to; wrong arguments end in one line and exit status 2."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NUM = r"([0-9][0-9,]*\.?[0-9]*)"
+
+
+def run(*args, expect: int = 0, timeout: float = 240, **env_vars) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", RAY_DEDUP_LOGS="0", **env_vars)
+    p = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=timeout)
+    assert p.returncode == expect, \
+        f"{' '.join(args)} exited {p.returncode}\n--- stdout\n{p.stdout[-3000:]}\n" \
+        f"--- stderr\n{p.stderr[-3000:]}"
+    return p
+
+
+def figure(pattern: str, text: str) -> list[float]:
+    m = re.search(pattern, text)
+    assert m, f"expected {pattern!r} in:\n{text[-3000:]}"
+    return [float(g.replace(",", "")) for g in m.groups()]
+
+
+# ---------------------------------------------------------------- no Ray
+def test_plan_text_json_and_pictures(tmp_path):
+    args = ["-m", "ray_reshard", "plan", "--model", "small-moe", "--train",
+            "megatron:pp=2,ep=2,dp=2", "--infer", "vllm:tp=2,dp=2,ep=2", "--gpus-per-node", "2"]
+    out = run(*args, "--png", str(tmp_path)).stdout
+    net, = figure(r"network \(between domains\)\s+" + NUM, out)
+    bound, = figure(r"network lower bound\s+" + NUM, out)
+    gb, = figure(r"gather-broadcast\s+" + NUM, out)
+    assert net == bound > 0 and gb > net
+    assert "network == lower bound: yes" in out
+    figure(r"busiest senders \(network, mean " + NUM + r" GB\): src \d+ " + NUM, out)
+    figure(r"busiest receivers \(network, mean " + NUM + r" GB\): dst \d+ " + NUM, out)
+    n_buckets, = figure(r"buckets of 64 MiB \(from the schedule\): network (\d+)", out)
+    assert n_buckets > 0
+    figure(r"peak staging per rank: at most " + NUM + " MiB", out)
+    for name in ("tilings.png", "domains.png"):
+        with open(tmp_path / name, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+    data = json.loads(run(*args, "--json").stdout)
+    assert data["bytes_by_path"]["network"] == data["lower_bound_bytes"]
+    assert abs(data["lower_bound_bytes"] / 1e9 - net) < 1e-3
+    assert data["train"] == "TP1xPP2xEP2xDP2" and data["infer"] == "TP2xDP2xEP2"
+    m = data["domain_network_bytes"]
+    assert len(m) == 2 and len(m[0]) == 2
+    assert sum(map(sum, m)) == data["bytes_by_path"]["network"]
+    assert data["gather_broadcast_bytes"] > data["bytes_by_path"]["network"]
+
+
+def test_model_bytes_small():
+    out = run("-m", "ray_reshard", "model-bytes", "--models", "small-moe").stdout
+    row = next(line for line in out.splitlines() if line.startswith("small Qwen3-MoE"))
+    assert "100.0%" in row
+    net, bound = [float(x.replace(",", "")) for x in row.split()[9:11]]
+    assert net == bound
+
+
+def test_plan_scale():
+    out = run("-m", "ray_reshard", "plan-scale", "--repeat", "1").stdout
+    tensors, = figure(r"tensors: (\d+)", out)
+    cold, warm = figure(r"cold " + NUM + r" s .*warm " + NUM + " s", out)
+    assert tensors > 40000 and cold > 0 and warm > 0
+    assert "network bytes == lower bound" in out
+
+
+def test_wrong_argument_in_a_real_process():
+    p = run("-m", "ray_reshard", "model-bytes", "--models", "dsv3", expect=2)
+    assert p.stderr.strip() == (
+        "ray-reshard model-bytes: error: argument --models: unknown model 'dsv3'; choose from "
+        "llama70b, qwen3-235b, deepseek-v3, small-moe (comma-separated) (see --help)")
+
+
+@pytest.mark.parametrize("args, names", [
+    (["model-bytes", "--models", "llama70b,dsv3"], ["--models", "'dsv3'", "deepseek-v3"]),
+    (["plan", "--model", "dsv3"], ["--model", "deepseek-v3", "config.json"]),
+    (["plan", "--train", "vllm:tp=2"], ["--train", "megatron:"]),
+    (["plan", "--infer", "vllm:tp=8,xp=2"], ["--infer", "'xp'", "dp, ep"]),
+    (["plan", "--dtype", "int3"], ["--dtype", "bfloat16"]),
+    (["bench", "--mb", "-4"], ["--mb", "positive"]),
+    (["soak", "--refits", "x"], ["--refits", "positive"]),
+    (["plan", "--model", "small-moe", "--train", "megatron:ep=3"], ["--train", "experts"]),
+    (["plan", "--model", "small-moe", "--train", "megatron:pp=2", "--infer", "vllm:tp=5"],
+     ["--infer", "tp"]),
+    (["nonsense"], ["plan", "demo"]),
+])
+def test_wrong_arguments_one_line_status_2(args, names, capsys):
+    from ray_reshard.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    for n in names:
+        assert n in err, (n, err)
+
+
+def test_help_of_every_subcommand(capsys):
+    from ray_reshard.__main__ import BENCHES, main
+
+    for cmd in ("plan", "demo", *BENCHES):
+        with pytest.raises(SystemExit) as e:
+            main([cmd, "--help"])
+        assert e.value.code == 0 and "usage: ray-reshard " + cmd in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- on a local Ray cluster
+@pytest.fixture(scope="module")
+def address(cluster):
+    """The session's two-node cluster, joined by the scripts (`testing.local_cluster`) instead
+    of each starting its own."""
+    return cluster.address
+
+
+def test_demo(address):
+    out = run("-m", "ray_reshard", "demo", "--repeats", "1",
+              RAY_RESHARD_CLUSTER_ADDRESS=address).stdout
+    assert out.count("bit-exactly") == 2
+    r_net, r_dom, _, r_s = figure(r"\nreshard\s+" + NUM + r"\s+" + NUM + r"\s+" + NUM + r"\s+"
+                                  + NUM, out)
+    g_net, _, _, g_s = figure(r"\ngather-broadcast\s+" + NUM + r"\s+" + NUM + r"\s+" + NUM
+                              + r"\s+" + NUM, out)
+    assert g_net > r_net > 0 and r_s > 0 and g_s > 0
+    ratio, _ = figure(r"gather-broadcast / reshard: " + NUM + r"x the network bytes, " + NUM, out)
+    assert abs(ratio - g_net / r_net) < 0.1
+
+
+def test_bench_small(address):
+    out = run("-m", "ray_reshard", "bench", "--mb", "8", "--repeats", "1",
+              RAY_RESHARD_CLUSTER_ADDRESS=address).stdout
+    assert out.count("== ") == 2
+    for pat in (r"reshard: " + NUM + r" s, network " + NUM + " MB -> " + NUM + " GB/s",
+                r"raw point-to-point, same actors and transport: " + NUM + " GB/s",
+                r"gather-broadcast: " + NUM + " s",
+                r"speed-up reshard vs gather-broadcast: " + NUM + "x"):
+        assert all(x > 0 for x in figure(pat, out))
+
+
+def test_rebuild_small(address):
+    out = run("-m", "ray_reshard.bench.rebuild", "--repeats", "1", "--mb", "1",
+              RAY_RESHARD_CLUSTER_ADDRESS=address).stdout
+    figure(r"update\(\) \(replace 1 destination\)\s+" + NUM + "s", out)
+    figure(r"new ReshardGroup \(close \+ build\)\s+" + NUM + "s", out)
+    u, b, _ = figure(r"to the first completed refit: update " + NUM + " s vs new group " + NUM
+                     + r" s \(" + NUM + "x\\)", out)
+    assert u > 0 and b > 0
+
+
+def test_soak_small(address):
+    out = run("-m", "ray_reshard.bench.soak", "--refits", "4", "--every", "2", "--mb", "0.5",
+              RAY_RESHARD_CLUSTER_ADDRESS=address).stdout
+    assert "every sampled refit was bit-exact" in out
+    rows = [line.split() for line in out.splitlines() if re.match(r"\s+\d+\s+[0-9.]+\s", line)]
+    assert [int(r[0]) for r in rows] == [0, 2, 4]
+    assert all(r[9] == "0" for r in rows)           # this group's segments: none left
+    assert re.search(r"VERDICT: (flat|drifting)", out)
+
+
+def test_readme_first_example(tmp_path):
+    """The Python blocks of README's "First example" section, run as one script."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    section = text.split("## First example", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) >= 2
+    script = tmp_path / "first_example.py"
+    script.write_text("\n".join(blocks))
+    # RAY_ADDRESS=local: a private instance, never another cluster running on this machine.
+    out = run(str(script), RAY_ADDRESS="local").stdout
+    v, = figure(r"refit v(\d+) \[reshard\]", out)
+    assert v == 1
+    assert "gather-broadcast would move" in out
+
+
+def test_plan_from_a_config_json(tmp_path, capsys):
+    from ray_reshard.__main__ import main
+    from ray_reshard.cli_args import MODELS
+
+    (tmp_path / "config.json").write_text(json.dumps(MODELS["small-moe"][1]))
+    args = ["plan", "--train", "megatron:tp=2,ep=2", "--infer", "vllm:tp=2,dp=2",
+            "--gpus-per-node", "2", "--json"]
+    assert main([*args, "--model", str(tmp_path)]) == 0
+    from_file = json.loads(capsys.readouterr().out)
+    assert main([*args, "--model", "small-moe"]) == 0
+    by_name = json.loads(capsys.readouterr().out)
+    assert from_file["train"] == "TP2xEP2xDP2"            # dp filled in to fit ep
+    for key in ("bytes_by_path", "lower_bound_bytes", "gather_broadcast_bytes",
+                "domain_network_bytes", "busiest_receivers"):
+        assert from_file[key] == by_name[key]
