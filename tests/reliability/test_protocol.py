@@ -299,3 +299,32 @@ def test_failure_in_run_phase_fails_fast(pair, fault):
         fulls = load(src, dst, specs, 1)
         g.refit(specs)
         assert exact(dst, specs, fulls)
+
+
+def test_stopped_node_helper_is_a_refit_error_within_the_deadline(cluster):
+    """A node helper that stops answering (SIGSTOP) while a refit needs new rings: RefitError
+    naming it within the refit's deadline, not a raw Ray timeout; the group recovers."""
+    import signal
+
+    src, dst = actors(2, 0), actors(2, 0)
+    small = {"s": spec()}
+    big = {"b": spec((256, 1024))}                   # needs larger rings than `small`
+    with rr.ReshardGroup(src, dst, timeout_s=5) as g:
+        load(src, dst, small, 0)
+        g.refit(small)
+        helper = next(iter(g.resources()["helpers"].values()))
+        pid = ray.get(helper.__ray_call__.remote(lambda self: os.getpid()))
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            load(src, dst, big, 1)
+            t0 = time.monotonic()
+            with pytest.raises(rr.RefitError, match=r"node helper on node .* did not answer "
+                                                   r"create_rings\(\) within"):
+                g.refit(big, timeout_s=5)
+            assert time.monotonic() - t0 < 5 + 3
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        g.update()
+        fulls = load(src, dst, big, 2)
+        g.refit(big)
+        assert exact(dst, big, fulls)
