@@ -28,10 +28,17 @@ CONFIG = {
 }
 
 
+PREDICTED_ON = "dgx-h100"
+
+
 def cluster_prediction(plan) -> Optional[dict]:
-    """Predicted refit seconds on a real cluster, {strategy: seconds}, or None when no cluster
-    simulator is available (the table then shows bytes and local times only)."""
-    return None
+    """Predicted refit seconds of this plan's ranks and domains on DGX H100 nodes (NVLink
+    inside a node, one 400 Gb/s NIC per GPU), {strategy: seconds}, from the cluster simulator."""
+    from .sim import gather_broadcast_seconds, preset, simulate
+
+    cluster = preset(PREDICTED_ON)
+    return {"reshard": simulate(plan, cluster).predicted_s,
+            "gather_broadcast": gather_broadcast_seconds(plan, cluster)}
 
 
 def run_demo(scale: int = 1, repeats: int = 3) -> int:
@@ -114,16 +121,18 @@ def run_demo(scale: int = 1, repeats: int = 3) -> int:
                   f"{infer.world} engines bit-exactly ({strategy})")
         predicted = cluster_prediction(plan)
         print(f"\n{'strategy':<18}{'network MB':>11}{'domain MB':>11}{'local MB':>10}"
-              f"{'local s':>9}" + (f"{'cluster s':>11}" if predicted else ""))
+              f"{'local s':>9}" + (f"{PREDICTED_ON + ' s':>13}" if predicted else ""))
         for strategy in ("reshard", "gather_broadcast"):
             b = moved[strategy]
             print(f"{strategy.replace('_', '-'):<18}{b['network'] / 1e6:>11.1f}"
                   f"{b['domain'] / 1e6:>11.1f}{b['local'] / 1e6:>10.1f}{seconds[strategy]:>9.3f}"
-                  + (f"{predicted[strategy]:>11.3f}" if predicted else ""))
+                  + (f"{predicted[strategy]:>13.4f}" if predicted else ""))
         r, gb = seconds["reshard"], seconds["gather_broadcast"]
         net = moved["gather_broadcast"]["network"] / max(1, moved["reshard"]["network"])
         print(f"gather-broadcast / reshard: {net:.1f}x the network bytes, {gb / r:.2f}x the local "
-              f"time (median of {repeats} refits)")
+              f"time (median of {repeats} refits)"
+              + (f", {predicted['gather_broadcast'] / predicted['reshard']:.1f}x the predicted "
+                 f"time on {PREDICTED_ON} nodes (ray-reshard simulate)" if predicted else ""))
         print("local s: both simulated nodes share this machine, where the loopback 'network' "
               "costs about what shared memory does;\nthe network bytes are what a real "
               "cluster pays for, over links far slower than NVLink.")
