@@ -169,7 +169,7 @@ def main(argv=None) -> int:
         print(f"{'gather_broadcast: ' + name:<38} {p.stats.total_bytes / 1e6:>6.1f} {'':>6} "
               f"{meas:>10.3f} {pred:>11.3f} {pred / meas:>9.2f}")
         worst = max(abs(pr / me - 1) for _, me, pr in rows)
-        print(f"\nreshard predictions within {100 * worst:.0f}% of the measured medians "
+        print(f"\nreshard predictions within {100 * worst:.0f}% of the measured times "
               f"(goal: 25%)")
     return 0
 
