@@ -5,7 +5,8 @@
 For each published row: the published reshard (and gather-broadcast or direct) figure, our
 predicted reshard time, the bound, our direct point-to-point and gather_broadcast predictions.
 Layout details the publications leave out are filled in as printed (e.g. Megatron's data
-parallel size from the GPU count).
+parallel size from the GPU count). `ours` uses the executor's measured per-item and per-tensor
+CPU costs; `links` sets them to zero (what a schedule limited only by its links would take).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ ROWS = [
     ("NeMo RL, DGX H100", "deepseek-v3", "megatron:pp=16,ep=16", "vllm:tp=32,dp=8", "dgx-h100",
      "2.4-2.8 s", "gather-broadcast 14.9 s"),
     ("NeMo RL, DGX H100", "qwen3-235b", "megatron:tp=4,pp=8,ep=16,etp=1", "vllm:tp=8,dp=16",
-     "dgx-h100", "4.6-4.9 s (1.9 s in NVIDIA's blog table)", "gather-broadcast 6.4 s"),
+     "dgx-h100", "4.6-4.9 s (blog: 1.9 s)", "gather-broadcast 6.4 s"),
     ("vLLM sharded RDT, 8 -> 8 H100", "qwen3-235b", "megatron:ep=8", "vllm:tp=8", "dgx-h100",
      "3.2-3.3 s", "NCCL broadcast 64.7 s"),
 ]
@@ -34,18 +35,19 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     pick = None if args.rows is None else {int(x) for x in args.rows.split(",")}
     head = (f"{'#':>2} {'published by':<30} {'model':<12} {'train -> infer':<52} "
-            f"{'published':<26} {'ours s':>7} {'bound s':>7} {'/bound':>6} {'direct s':>8} "
+            f"{'published':<26} {'ours s':>7} {'links s':>7} {'bound s':>7} {'/bound':>6} {'direct s':>8} "
             f"{'gath-bc s':>9}  published other")
     print(head)
     print("-" * len(head))
     for i, (who, model, train, infer, cluster, pub, other) in enumerate(ROWS):
         if pick is not None and i not in pick:
             continue
-        o = run(build_parser().parse_args(["--model", model, "--train", train, "--infer", infer,
-                                           "--cluster", cluster]))
+        base = ["--model", model, "--train", train, "--infer", infer, "--cluster", cluster]
+        o = run(build_parser().parse_args(base))
+        links = run(build_parser().parse_args(base + ["--item-us", "0", "--tensor-us", "0"]))
         lay = f"{o['train']} -> {o['infer']}".replace("Megatron ", "").replace("vLLM ", "")
         print(f"{i:>2} {who:<30} {model:<12} {lay:<52} {pub:<26} {o['predicted_s']:>7.2f} "
-              f"{o['bound_s']:>7.2f} {o['predicted_s'] / o['bound_s']:>6.2f} {o['direct_s']:>8.2f} "
+              f"{links['predicted_s']:>7.2f} {o['bound_s']:>7.2f} {o['predicted_s'] / o['bound_s']:>6.2f} {o['direct_s']:>8.2f} "
               f"{o['gather_broadcast_s']:>9.2f}  {other}", flush=True)
     return 0
 

@@ -99,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--nic-gbit", type=float, help="NIC Gb/s per GPU per direction")
     ap.add_argument("--latency-us", type=float, help="per-message latency")
     ap.add_argument("--item-us", type=float, help="executor CPU time per item")
+    ap.add_argument("--tensor-us", type=float, help="CPU time per tensor per process")
     ap.add_argument("--timeline", default=None, help="rank whose timeline to show, e.g. dst:0 "
                                                      "(default: the one with the busiest link)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -116,7 +117,8 @@ def run(args) -> dict:
         nvlink_Bps=None if args.nvlink_gbps is None else args.nvlink_gbps * GB,
         nic_Bps=None if args.nic_gbit is None else args.nic_gbit / 8 * GB,
         latency_s=None if args.latency_us is None else args.latency_us * 1e-6,
-        item_s=None if args.item_us is None else args.item_us * 1e-6)
+        item_s=None if args.item_us is None else args.item_us * 1e-6,
+        tensor_s=None if args.tensor_us is None else args.tensor_us * 1e-6)
     if args.bucket_mb <= 0:
         raise ValueError(f"--bucket-mb must be positive, got {args.bucket_mb}")
     if args.dtype.lower() not in DTYPES:

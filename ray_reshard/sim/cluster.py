@@ -17,8 +17,8 @@ GB = 1e9
 # tensor per process (view lookups before the rounds), measured on the development machine by
 # `python -m ray_reshard.bench.sim_calibrate` (2-core CPU box; host-side Python costs, which a
 # GPU host pays too, on faster cores).
-MEASURED_ITEM_S = 30e-6
-MEASURED_TENSOR_S = 17e-6
+MEASURED_ITEM_S = 22.5e-6
+MEASURED_TENSOR_S = 6.6e-6
 
 
 @dataclass(frozen=True)
@@ -78,8 +78,8 @@ PRESETS = {
     # This machine's two simulated nodes (every rank shares 2 CPU cores): gloo over loopback as
     # the network, shared-memory rings as the domain links. Figures measured by
     # `python -m ray_reshard.bench.sim_calibrate` (see README); rerun it to refresh them.
-    "local": Cluster("local", 4, 5.0 * GB, 0.5 * GB, latency_s=2e-3, fabric_Bps=0.8 * GB,
-                     domain_fabric_Bps=5.0 * GB, refit_overhead_s=28e-3, copy_Bps=2.3 * GB,
+    "local": Cluster("local", 4, 2.78 * GB, 1.07 * GB, latency_s=1.69e-3, fabric_Bps=2.56 * GB,
+                     domain_fabric_Bps=2.78 * GB, refit_overhead_s=12.7e-3, copy_Bps=2.96 * GB,
                      cpu_cores=2, broadcast="flat"),
 }
 

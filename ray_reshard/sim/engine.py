@@ -289,7 +289,9 @@ def replay(plan: Plan, msgs: Messages, cluster: Cluster, bucket_bytes: int,
     cpu_t = work.max(axis=1) if R else np.zeros(0)
     if cluster.cpu_cores:
         cpu_t = np.maximum(cpu_t, work.sum(axis=1) / cluster.cpu_cores)
-    round_t = np.maximum(link_t, cpu_t) + cluster.latency_s
+    # CPU work overlaps the links, except where the "links" are CPU copies themselves (ranks
+    # sharing a few cores, as on the local preset): then they add up
+    round_t = (link_t + cpu_t if cluster.cpu_cores else np.maximum(link_t, cpu_t)) + cluster.latency_s
     # before the rounds, every process looks up its tensors' views once
     per_proc = tensors_per_process(plan) * cluster.tensor_s
     prep = float(per_proc.max()) if len(per_proc) else 0.0

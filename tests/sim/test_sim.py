@@ -104,3 +104,9 @@ def test_cli_registered():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("ray-reshard simulate: error: --infer")
+
+
+def test_sim_imports_no_ray_and_no_runtime():
+    code = ("import sys, ray_reshard.sim; "
+            "assert 'ray' not in sys.modules and 'ray_reshard.runtime' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
