@@ -270,6 +270,8 @@ def even_out_stages(train, layers: int):
     sizes given: the usual split, full middle stages (ceil(layers / pp) each) and the rest shared
     by the first and last stage (DeepSeek-V3 on PP16: 3 + 14 x 4 + 2; Qwen3-235B on PP8:
     11 + 6 x 12 + 11)."""
+    from .models import Megatron
+
     pp = getattr(train, "pp", 1)
     if (not isinstance(train, Megatron) or pp < 3 or not layers or layers % pp == 0
             or train.first_stage_layers is not None or train.last_stage_layers is not None):

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
 
+from ..cli_args import MODELS, even_out_stages, infer_arg, model_arg, train_arg
 from .cluster import GB, PRESETS, preset
 from .engine import gather_broadcast_seconds, simulate
 
@@ -35,59 +35,14 @@ DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float1
           "fp32": "float32", "float32": "float32", "fp8": "float8_e4m3fn"}
 
 
-def _model_config(name: str):
-    from ..bench.model_bytes import CASES
-    key = name.lower().replace("_", "-")
-    aliases = {"llama-3-70b": "llama70b", "llama3-70b": "llama70b", "qwen3-235b-a22b": "qwen3-235b",
-               "deepseek-v3-671b": "deepseek-v3"}
-    key = aliases.get(key, key)
-    if key in CASES:
-        return CASES[key][0], CASES[key][1]
-    if os.path.exists(name):
-        return os.path.basename(os.path.dirname(os.path.abspath(name))) or name, name
-    raise ValueError(f"--model: {name!r} is neither a recipe ({', '.join(CASES)}) nor a "
-                     f"config.json path")
-
-
-def parse_layout(text: str, what: str):
-    """'megatron:pp=16,ep=16' -> Megatron(...); 'vllm:tp=32,dp=8' -> VLLM(...)."""
-    from ..models import VLLM, Megatron
-    engine, _, rest = text.partition(":")
-    engine = engine.strip().lower()
-    kinds = {"megatron": Megatron, "vllm": VLLM}
-    if engine not in kinds:
-        raise ValueError(f"{what}: engine must be 'megatron' or 'vllm', got {engine!r} "
-                         f"(expected e.g. megatron:pp=16,ep=16)")
-    kw = {}
-    for part in filter(None, (p.strip() for p in rest.split(","))):
-        k, eq, v = part.partition("=")
-        if not eq:
-            raise ValueError(f"{what}: {part!r} is not key=value")
-        k = k.strip().lower()
-        if k == "experts":
-            kw[k] = v.strip()
-            continue
-        try:
-            kw[k] = int(v)
-        except ValueError:
-            raise ValueError(f"{what}: {k}={v!r} is not an integer") from None
-    if engine == "megatron" and "dp" not in kw:
-        per_stage = kw.get("tp", 1) * kw.get("cp", 1)
-        need = kw.get("ep", 1) * kw.get("etp", 1)
-        kw["dp"] = need // math.gcd(need, per_stage)
-    try:
-        return kinds[engine](**kw)
-    except TypeError as e:
-        raise ValueError(f"{what}: {e}") from None
-    except ValueError as e:
-        raise ValueError(f"{what}: {e}") from None
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="ray-reshard simulate", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True, help="recipe name or config.json path")
-    ap.add_argument("--train", required=True, help="e.g. megatron:pp=16,ep=16")
-    ap.add_argument("--infer", required=True, help="e.g. vllm:tp=32,dp=8")
+    ap.add_argument("--model", required=True, type=model_arg,
+                    help=f"a known model ({', '.join(MODELS)}) or a path to a HF config.json")
+    ap.add_argument("--train", required=True, type=train_arg,
+                    help="training layout, e.g. megatron:pp=16,ep=16")
+    ap.add_argument("--infer", required=True, type=infer_arg,
+                    help="inference layout, e.g. vllm:tp=32,dp=8")
     ap.add_argument("--cluster", default="dgx-h100", help=f"preset: {', '.join(PRESETS)}")
     ap.add_argument("--dtype", default="bf16", help="dtype that moves (bf16, fp16, fp32, fp8)")
     ap.add_argument("--bucket-mb", type=float, default=64.0)
@@ -131,9 +86,9 @@ def run(args) -> dict:
         if side not in ("src", "dst") or not r.isdigit():
             raise ValueError(f"--timeline must look like src:3 or dst:0, got {args.timeline!r}")
         timeline = (side, int(r))
-    title, config = _model_config(args.model)
-    train = parse_layout(args.train, "--train")
-    infer = parse_layout(args.infer, "--infer")
+    title, config = args.model
+    train = even_out_stages(args.train, config.get("num_hidden_layers", 0))
+    infer = args.infer
     if timeline and timeline[1] >= (train.world if timeline[0] == "src" else infer.world):
         raise ValueError(f"--timeline: {args.timeline} is beyond that side's ranks")
     t0 = time.perf_counter()

@@ -86,7 +86,7 @@ def test_cli_json(capsys):
 @pytest.mark.parametrize("argv, needle", [
     (["--model", "nope", "--train", "megatron:pp=2", "--infer", "vllm:tp=2"], "--model"),
     (["--model", "llama70b", "--train", "fsdp:pp=2", "--infer", "vllm:tp=2"], "--train"),
-    (["--model", "llama70b", "--train", "megatron:pp=x", "--infer", "vllm:tp=2"], "pp="),
+    (["--model", "llama70b", "--train", "megatron:pp=x", "--infer", "vllm:tp=2"], "pp must be"),
     (["--model", "llama70b", "--train", "megatron:pp=2", "--infer", "vllm:tp=2,ep=3"], "--infer"),
     (["--model", "llama70b", "--train", "megatron:pp=2", "--infer", "vllm:tp=2",
       "--cluster", "dgx-a1"], "unknown cluster"),
