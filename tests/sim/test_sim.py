@@ -103,7 +103,7 @@ def test_cli_registered():
                            "--train", "megatron:tp=8,pp=4", "--infer", "vllm:tp=8,dp=4,pp=0"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.startswith("ray-reshard simulate: error: --infer")
+    assert proc.stderr.startswith("ray-reshard simulate: error: argument --infer")
 
 
 def test_sim_imports_no_ray_and_no_runtime():
