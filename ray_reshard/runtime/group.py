@@ -213,7 +213,8 @@ class ReshardGroup:
                                       backend, self._ep_pid, infos[p]["device"], self._tensors_fn,
                                       self.bucket_bytes, self.setup_timeout_s, self._version)
                 for p, a in enumerate(self._procs)]
-        self._collect(refs, self.setup_timeout_s, "setup")
+        joined = self._collect(refs, self.setup_timeout_s, "setup")
+        self._store_address = joined[0]["store"]
 
     def update(self, src_actors: Optional[Sequence[Any]] = None,
                dst_actors: Optional[Sequence[Any]] = None) -> float:
@@ -485,8 +486,13 @@ class ReshardGroup:
             if left <= 0:
                 break
             ready, not_ready = ray.wait(not_ready, num_returns=1, timeout=left)
-            if ready and _failed(ready[0]):
+            error = _error_of(ready[0]) if ready else None
+            if error is not None:
                 t_end = min(t_end, time.monotonic() + SETTLE_S)
+                if isinstance(error, RayActorError) and not_ready:
+                    # A dead process aborts nothing itself: wake the live ones blocked on it.
+                    self._abort_members(f"process {pids[refs.index(ready[0])]} died "
+                                        f"during {phase}")
         not_ready = set(not_ready)
         results, failed, messages = {}, [], []
         waiting, waiting_msgs = [], []        # failed only because a peer did (transport errors)
@@ -527,6 +533,12 @@ class ReshardGroup:
         raise RefitError(f"refit failed in {phase} on "
                          f"{', '.join(f'{s} rank {r}' for s, r in ranks)}: "
                          + "; ".join(messages), ranks)
+
+    def _abort_members(self, reason: str) -> None:
+        """Wake every member blocked in this group's transport (through the group's store)."""
+        address = getattr(self, "_store_address", None)
+        if address is not None:
+            torch_pg.abort_group(address, self.group_name, reason)
 
     def _check_usable(self) -> None:
         if self._closed:
@@ -672,13 +684,13 @@ def _node_helpers(nodes, timeout: float) -> dict:
 SETTLE_S = 3.0
 
 
-def _failed(ref) -> bool:
-    """Whether a finished call raised (or its process died)."""
+def _error_of(ref) -> Optional[Exception]:
+    """What a finished call raised (RayActorError: its process died), or None."""
     try:
         ray.get(ref, timeout=0)
-        return False
-    except Exception:
-        return True
+        return None
+    except Exception as e:
+        return e
 
 
 def _describe(proc: int, e: Exception) -> str:

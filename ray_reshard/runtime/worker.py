@@ -72,9 +72,10 @@ def probe(actor) -> dict:
 
 def setup(actor, group_id: str, group_name: str, world: int, pid: int, backend: str,
           ep_pid: dict, device: str, tensors_fn, bucket_bytes: int, timeout_s: float,
-          version: int = 0) -> int:
+          version: int = 0) -> dict:
     """Join the group's collective group (blocks until all members joined, at most
-    `timeout_s`). `version` is the group's current version (kept across update())."""
+    `timeout_s`). `version` is the group's current version (kept across update()).
+    Returns this process's index and the address of the group's store."""
     from ray.util.collective import collective as col
 
     torch_pg.ensure_registered()
@@ -87,7 +88,7 @@ def setup(actor, group_id: str, group_name: str, world: int, pid: int, backend: 
     _GROUPS[group_id] = _WorkerGroup(group_id, group_name, pid, eps, dict(ep_pid),
                                      torch.device(device), tensors_fn, bucket_bytes, pg,
                                      version=version)
-    return pid
+    return {"proc": pid, "store": pg.store_address}
 
 
 def attach_rings(actor, group_id: str, out: dict, inn: dict, gpu: bool = False) -> None:

@@ -49,6 +49,9 @@ class Member:
     def leave(self):
         self.g.destroy_group()
 
+    def store_address(self):
+        return self.g.store_address
+
 
 @pytest.fixture(scope="module")
 def processes(cluster):
@@ -137,3 +140,20 @@ def test_nccl_error_cause_survives_on_the_first_line():
     assert first.startswith("recv from process 1: NCCL error in")
     assert "Duplicate GPU detected : rank 1 and rank 0" in first
     assert "ncclInternalError" in first
+
+
+def test_abort_from_outside_the_group_wakes_blocked_members(processes):
+    """The driver (not a member) aborts through the group's store, as it does when a member
+    died: members blocked on a live peer wake within about a second, with the reason."""
+    members = _group(processes, 2)
+    name = ray.get(members[0].__ray_call__.remote(lambda self: self.g.group_name))
+    address = ray.get(members[0].store_address.remote())
+    blocked = [members[0].recv_from.remote(1, 60.0), members[1].recv_from.remote(0, 60.0)]
+    time.sleep(0.5)
+    assert torch_pg.abort_group(address, name, "process 2 died during run")
+    for ref in blocked:
+        kind, msg, secs = ray.get(ref, timeout=30)
+        assert kind == "TransportError" and "process 2 died during run" in msg, (kind, msg)
+        assert secs < 0.5 + 3.0
+    ray.get([m.leave.remote() for m in members])
+    assert not torch_pg.abort_group(("127.0.0.1", 1), name, "nobody listens", timeout_s=0.5)

@@ -52,7 +52,7 @@ from ray.util.collective.collective_group.base_collective_group import BaseGroup
 
 from ...errors import TransportError, TransportTimeout
 
-__all__ = ["TorchPGGroup", "TorchNCCLGroup", "Pending", "wait", "ensure_registered",
+__all__ = ["TorchPGGroup", "TorchNCCLGroup", "Pending", "wait", "abort_group", "ensure_registered",
            "backend_name", "ABORT_POLL_S", "NCCL_GROUP_ENV"]
 
 _KV_PREFIX = "ray_reshard_store:"
@@ -193,6 +193,11 @@ class TorchPGGroup(BaseGroup):
         self._watcher = threading.Thread(target=self._watch, args=(watch_store,),
                                          name=f"rr-abort-{group_name}", daemon=True)
         self._watcher.start()
+
+    @property
+    def store_address(self) -> tuple[str, int]:
+        """(host, port) of the group's store, for :func:`abort_group` from another process."""
+        return self._store.host, self._store.port
 
     def _short_store(self):
         client = self._store.clone()
@@ -444,6 +449,20 @@ class TorchNCCLGroup(TorchPGGroup):
             time.sleep(pause)
             pause = min(pause * 2, 0.002)
         self._raise_if_aborted(what)
+
+
+def abort_group(address: tuple[str, int], group_name: str, reason: str,
+                timeout_s: float = 2.0) -> bool:
+    """Abort group `group_name` from a process outside it (the driver, when a member died):
+    write the abort reason in its store, where every member's watcher finds it. Returns
+    whether the store took it (False when it is gone: its host died, which members see too)."""
+    try:
+        client = dist.TCPStore(address[0], address[1], is_master=False,
+                               timeout=datetime.timedelta(seconds=timeout_s))
+        dist.PrefixStore(group_name + "/", client).compare_set(_ABORT_KEY, "", reason[:500])
+        return True
+    except Exception:
+        return False
 
 
 def store_barrier(store, name: str, rank: int, world: int, deadline: float, what: str) -> None:
