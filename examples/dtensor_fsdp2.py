@@ -11,29 +11,15 @@ checked bit-exactly against `DTensor.full_tensor()`.
     python examples/dtensor_fsdp2.py [--dim 256] [--steps 2]
 """
 import argparse
-import contextlib
 import socket
 
 import ray
 import torch
 
 import ray_reshard as rr
-from ray_reshard.testing import local_cluster
+from ray_reshard.testing import connect
 
 
-@contextlib.contextmanager
-def connect(address):
-    """A running cluster at `address` (its nodes marked with resources "node0", "node1"), or a
-    local two-node one started for this run."""
-    if address is None:
-        with local_cluster(2):
-            yield
-        return
-    ray.init(address=address, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 WORLD, TP = 4, 2
 

@@ -11,29 +11,15 @@ and the engines' logits must equal the trainers' exactly.
     python examples/megatron_to_vllm.py [--layers 2] [--hidden 64]
 """
 import argparse
-import contextlib
 
 import ray
 import torch
 
 import ray_reshard as rr
 from ray_reshard import models
-from ray_reshard.testing import local_cluster
+from ray_reshard.testing import connect
 
 
-@contextlib.contextmanager
-def connect(address):
-    """A running cluster at `address` (its nodes marked with resources "node0", "node1"), or a
-    local two-node one started for this run."""
-    if address is None:
-        with local_cluster(2):
-            yield
-        return
-    ray.init(address=address, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 def build_model(layers: int, hidden: int):

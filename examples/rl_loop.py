@@ -11,28 +11,14 @@ the previous step's), and every process reports the new version.
     python examples/rl_loop.py [--steps 5] [--vocab 512] [--hidden 256]
 """
 import argparse
-import contextlib
 
 import ray
 import torch
 
 import ray_reshard as rr
-from ray_reshard.testing import local_cluster
+from ray_reshard.testing import connect
 
 
-@contextlib.contextmanager
-def connect(address):
-    """A running cluster at `address` (its nodes marked with resources "node0", "node1"), or a
-    local two-node one started for this run."""
-    if address is None:
-        with local_cluster(2):
-            yield
-        return
-    ray.init(address=address, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 TP, DP = 2, 2
 

@@ -22,7 +22,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 # Real model configs written inline (no download): name -> (title, HF config).
 LLAMA3_70B = {

@@ -19,13 +19,7 @@ from typing import Optional
 
 import torch
 
-CONFIG = {
-    "model_type": "qwen3_moe", "hidden_size": 768, "intermediate_size": 2048,
-    "moe_intermediate_size": 384, "num_hidden_layers": 4, "num_attention_heads": 12,
-    "num_key_value_heads": 2, "head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2,
-    "vocab_size": 8000, "tie_word_embeddings": False, "decoder_sparse_step": 1,
-    "mlp_only_layers": [], "rms_norm_eps": 1e-6, "norm_topk_prob": True,
-}
+from .cli_args import SMALL_MOE as CONFIG      # a Qwen3-MoE-style model, seconds to plan
 
 
 PREDICTED_ON = "dgx-h100"

@@ -57,6 +57,21 @@ def local_cluster(nodes: int = 2):
         cluster.shutdown()
 
 
+@contextlib.contextmanager
+def connect(address=None, nodes: int = 2):
+    """A running cluster at `address` (its nodes marked with resources "node0", "node1", ...),
+    or, without an address, a private local cluster of `nodes` nodes for this run."""
+    if address is None:
+        with local_cluster(nodes):
+            yield
+        return
+    ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
 def shutdown_shared() -> None:
     """Stop the clusters `start_cluster` lent out."""
     if ray.is_initialized():

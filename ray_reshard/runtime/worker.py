@@ -187,7 +187,7 @@ def _views(actor, wg: _WorkerGroup, prog: _Program) -> tuple[dict, list[str]]:
     dst_keys = [k for k in views if k[0] == "dst"]
     if len(dst_keys) > 1:
         for i, j in overlapping_pairs([views[k] for k in dst_keys]):
-            (_, ra, ta), (_, rb, tb) = dst_keys[i], dst_keys[j]
+            (_, ra, ta), (_, _, tb) = dst_keys[i], dst_keys[j]
             errors.append(f"{plan.names[ta]!r} and {plan.names[tb]!r} on dst rank {ra}: their "
                           f"local shards share memory, so one would overwrite the other")
     return views, errors
