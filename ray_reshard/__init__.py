@@ -10,7 +10,8 @@ from .errors import RefitError, TransportError, TransportTimeout
 
 __version__ = "0.1.0"
 
-_LAZY = {"ReshardGroup": "runtime.group", "RefitResult": "runtime.group", "models": "models"}
+_LAZY = {"ReshardGroup": "runtime.group", "RefitResult": "runtime.group",
+         "PendingRefit": "runtime.group", "models": "models"}
 
 
 def __getattr__(name):

@@ -106,6 +106,7 @@ class ReshardGroup:
         self.strategy, self.bucket_bytes, self.timeout_s = strategy, bucket_bytes, timeout_s
         self.max_programs = max_programs
         self._lock = threading.RLock()      # one refit / update / close at a time
+        self._pending: Optional[PendingRefit] = None
         self._program_ids = itertools.count()
         self.setup_timeout_s = setup_timeout_s
         self._tensors_fn = tensors
@@ -227,6 +228,7 @@ class ReshardGroup:
         (torch process groups cannot shrink or grow) and the programs.
         """
         with self._lock:
+            self._settle()
             self._check_usable()
             t0 = time.perf_counter()
             # Each actor runs its calls in order: the old group's teardown is queued before the
@@ -374,7 +376,38 @@ class ReshardGroup:
         with self._lock:
             return self._refit(specs, atomic, snapshot, timeout_s)
 
+    def refit_async(self, specs: Mapping[str, TensorSpec], *, atomic: bool = False,
+                    timeout_s: Optional[float] = None) -> "PendingRefit":
+        """An overlapped refit: returns as soon as every source's shards are captured (copied:
+        extra memory = the source shards), while the bytes move; the trainer may take its next
+        optimizer step at once. `PendingRefit.wait()` returns the RefitResult; its `version` is
+        known now. Any other call on the group first waits for it.
+
+        For the step to run while the bytes move, the trainer actors must accept concurrent
+        calls (`max_concurrency >= 2`): a Ray actor otherwise runs one call at a time, and the
+        step waits behind the send. What is sent is the captured copy either way.
+        """
+        with self._lock:
+            self._settle()
+            running = self._start(specs, atomic, False, timeout_s, capture=True)
+            self._pending = PendingRefit(self, running)
+            return self._pending
+
+    def _settle(self) -> None:
+        """Finish an overlapped refit still in flight (its errors stay with its handle)."""
+        pending, self._pending = getattr(self, "_pending", None), None
+        if pending is not None:
+            try:
+                pending.wait()
+            except Exception:
+                pass
+
     def _refit(self, specs, atomic, snapshot, timeout_s) -> RefitResult:
+        self._settle()
+        return self._finish(self._start(specs, atomic, snapshot, timeout_s))
+
+    def _start(self, specs, atomic, snapshot, timeout_s, capture: bool = False) -> dict:
+        """Plan, install, validate, (capture,) and start every process's run."""
         self._check_usable()
         if self._broken:
             raise RefitError(f"this ReshardGroup failed earlier ({self._broken}); call update() "
@@ -397,18 +430,33 @@ class ReshardGroup:
             raise ValueError("refit refused before moving any byte:\n  " + "\n  ".join(problems))
         version = self._version + 1
         t0 = time.perf_counter()
+        if capture:
+            holders = sorted({self._ep_pid[Endpoint("src", i)]
+                              for i in range(len(self.src_actors))})
+            try:
+                self._collect([self._procs[q].__ray_call__.remote(worker.capture, self.group_id,
+                                                                  key) for q in holders],
+                              max(deadline - time.monotonic(), 0.0), "capture", holders)
+            except RefitError:
+                self._discard_all()
+                raise
         left = max(deadline - time.monotonic(), 0.001)
         refs = [a.__ray_call__.remote(worker.run, self.group_id, key, left, version, atomic,
                                       snapshot)
                 for a in self._procs]
+        return {"refs": refs, "left": left, "version": version, "timeout": timeout, "t0": t0,
+                "plan": p, "planned": planned}
+
+    def _finish(self, running: dict) -> RefitResult:
+        """Wait for every process's run, commit, and report."""
         try:
-            per = self._collect(refs, left)
+            per = self._collect(running["refs"], running["left"])
         except RefitError:
-            for a in self._procs:
-                a.__ray_call__.remote(worker.discard, self.group_id)
+            self._discard_all()
             raise
-        result_warnings = self._commit(version, timeout)
-        seconds = time.perf_counter() - t0
+        version, p = running["version"], running["plan"]
+        result_warnings = self._commit(version, running["timeout"])
+        seconds = time.perf_counter() - running["t0"]
         moved = {"network": 0, "domain": 0, "local": 0}
         for st in per:
             for k, v in st["bytes_by_path"].items():
@@ -416,8 +464,12 @@ class ReshardGroup:
         return RefitResult(version, seconds, self.strategy, moved,
                            moved["network"] / seconds / 1e9 if seconds > 0 else 0.0,
                            max(st["peak_staging_bytes"] for st in per),
-                           max(st["extra_bytes"] for st in per), p.stats, planned, per,
-                           result_warnings)
+                           max(st["extra_bytes"] for st in per), p.stats, running["planned"],
+                           per, result_warnings)
+
+    def _discard_all(self) -> None:
+        for a in self._procs:
+            a.__ray_call__.remote(worker.discard, self.group_id)
 
     def _commit(self, version: int, timeout: float) -> list:
         """Every rank has everything: make `version` every process's, one truth for all.
@@ -586,8 +638,10 @@ class ReshardGroup:
 
     def versions(self) -> list[int]:
         """The version each process reports holding."""
-        self._check_usable()
-        return self._call_all(worker.version, self.group_id)
+        with self._lock:
+            self._settle()
+            self._check_usable()
+            return self._call_all(worker.version, self.group_id)
 
     # ---------------------------------------------------------------- teardown
     def close(self) -> None:
@@ -598,6 +652,8 @@ class ReshardGroup:
         with self._lock:
             if self._closed:
                 return
+            if self._ray_alive():
+                self._settle()
             self._closed = True
             if self._ray_alive():
                 self._leave()
@@ -643,6 +699,38 @@ class ReshardGroup:
                 "segments": sorted(name for name, _ in self._rings.values()),
                 "helpers": dict(self._helpers), "programs": len(self._installed),
                 "plans": len(self._plans), "processes": len(self._procs)}
+
+
+class PendingRefit:
+    """An overlapped refit in flight (see `ReshardGroup.refit_async`): the sources' shards are
+    captured; `wait()` returns the RefitResult (or raises what the refit raised)."""
+
+    def __init__(self, group: ReshardGroup, running: dict):
+        self.group, self.version = group, running["version"]
+        self._running, self._result, self._error = running, None, None
+
+    def done(self) -> bool:
+        """Whether every process finished its part (wait() then returns without blocking on
+        the transfer)."""
+        if self._running is None:
+            return True
+        refs = self._running["refs"]
+        return len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) == len(refs)
+
+    def wait(self) -> RefitResult:
+        with self.group._lock:
+            if self._running is not None:
+                running, self._running = self._running, None
+                if self.group._pending is self:
+                    self.group._pending = None
+                try:
+                    self._result = self.group._finish(running)
+                    metrics.record_refit(self._result)
+                except Exception as e:
+                    self._error = e
+        if self._error is not None:
+            raise self._error
+        return self._result
 
 
 _HELPERS: dict = {}      # (cluster session, node id) -> NodeHelper, shared by this driver's groups

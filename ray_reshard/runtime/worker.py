@@ -62,6 +62,7 @@ class _WorkerGroup:
     # After an atomic commit, until the driver confirms every destination committed: the
     # version before it and the (destination view, its old contents) pairs to roll back to.
     undo: Any = None
+    captured: Any = None              # (program key, {source key: copy}) for an overlapped refit
 
 
 def probe(actor) -> dict:
@@ -261,13 +262,21 @@ def run(actor, group_id: str, key, timeout_s: float, version: int,
     deadline = time.monotonic() + timeout_s
     wg.staged = None
     wg.undo = None
+    captured, wg.captured = wg.captured, None
     try:
         prog = wg.programs[key]
         views, errors = _views(actor, wg, prog)
         if errors:
             raise ValueError("; ".join(errors))
         extra = aliased_bytes = 0
-        copy_first = [k for k in views if k[0] == "src"] if snapshot else \
+        if captured is not None:          # an overlapped refit: send what capture() copied
+            if captured[0] != key:
+                raise RuntimeError(f"process {wg.pid} captured sources of another refit")
+            views.update(captured[1])
+            extra = sum(v.numel() * v.element_size() for v in captured[1].values())
+            snapshot = True
+        copy_first = [] if captured is not None else \
+            [k for k in views if k[0] == "src"] if snapshot else \
             ([] if atomic else _aliased_sources(views))
         for k in copy_first:
             v = views[k]
@@ -296,6 +305,20 @@ def run(actor, group_id: str, key, timeout_s: float, version: int,
     stats["extra_bytes"] = extra
     stats["aliased_bytes"] = aliased_bytes
     return stats
+
+
+@torch.inference_mode()
+def capture(actor, group_id: str, key) -> int:
+    """Copy this process's source shards of program `key` for the run that follows (an
+    overlapped refit: the trainer may change its tensors once every process captured).
+    Returns the bytes copied."""
+    wg = _group(group_id)
+    views, errors = _views(actor, wg, wg.programs[key])
+    if errors:
+        raise ValueError("; ".join(errors))
+    copies = {k: v.clone() for k, v in views.items() if k[0] == "src"}
+    wg.captured = (key, copies)
+    return sum(v.numel() * v.element_size() for v in copies.values())
 
 
 # Atomic commits swap staged and live contents in slices of at most this many bytes, so the
@@ -372,6 +395,7 @@ def discard(actor, group_id: str) -> None:
     if wg is not None:
         wg.staged = None
         wg.undo = None
+        wg.captured = None
 
 
 def uninstall(actor, group_id: str, keys: list, rings: list = ()) -> None:
