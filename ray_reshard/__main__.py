@@ -29,6 +29,8 @@ BENCHES = {
     "soak": ("ray_reshard.bench.soak", "hundreds of refits on one group, watching for drift"),
     "rebuild": ("ray_reshard.bench.rebuild", "update() vs a new group after a membership change"),
     "bench-faults": ("ray_reshard.bench.faults", "seconds from each kind of fault to RefitError"),
+    "bench-overlap": ("ray_reshard.bench.overlap",
+                      "trainer idle time per step: blocking vs overlapped refits"),
 }
 
 

@@ -199,3 +199,20 @@ def test_plan_from_a_config_json(tmp_path, capsys):
     for key in ("bytes_by_path", "lower_bound_bytes", "gather_broadcast_bytes",
                 "domain_network_bytes", "busiest_receivers"):
         assert from_file[key] == by_name[key]
+
+
+def test_bench_faults_small(address):
+    out = run("-m", "ray_reshard", "bench-faults", "--timeout", "4",
+              RAY_RESHARD_CLUSTER_ADDRESS=address).stdout
+    raised, = figure(r"raise in run\s+" + NUM + " s", out)
+    killed, = figure(r"killed before refit\s+" + NUM + " s", out)
+    hung, = figure(r"hung rank\s+" + NUM + " s", out)
+    assert raised < 4 and killed < 4 and hung >= 4      # only a hang waits for the deadline
+
+
+def test_bench_overlap_small(address):
+    out = run("-m", "ray_reshard", "bench-overlap", "--mb", "2", "--steps", "1", "--step-s",
+              "0.05", RAY_RESHARD_CLUSTER_ADDRESS=address).stdout
+    blocking, overlapped, _ = figure(r"trainer idle per step: blocking " + NUM + " s, overlapped "
+                                     + NUM + r" s \(" + NUM + "x less\\)", out)
+    assert blocking > 0 and overlapped >= 0
