@@ -252,6 +252,88 @@ def build_schedule(plan: Plan, bucket_bytes: int) -> Schedule:
         return Schedule(transfers, bucket_bytes)
 
 
+def build_share(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int) -> list[Transfer]:
+    """The transfers of `build_schedule(plan, bucket_bytes)` that send from or deliver to one
+    of `endpoints` (one process's share), in the same global key order, from the plan alone.
+
+    Both ends of a (sender, receiver, path) pair see that pair's moves in the same order (tensor
+    order, then move order), so they cut the same buckets with the same keys. A destination that
+    receives forwarded pieces also replays the network pairs into its forwarders to learn which
+    network bucket each forward follows. Time: linear in the moves of these endpoints (plus the
+    network moves into forwarders that forward to them), and one lookup per tensor.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    mine = frozenset(endpoints)
+    eps = sorted(mine, key=lambda e: (e.side, e.rank))
+    my_dst = {e.rank for e in mine if e.side == "dst"}
+    n_src = plan.topology.n_src
+    world = n_src + plan.topology.n_dst
+    isz = [spec.itemsize for spec in plan.specs]
+    pair_items: dict[tuple, list] = defaultdict(list)
+    forwards: dict[tuple, list] = defaultdict(list)
+    forwarders: set = set()          # destination ranks, not ours, that forward to one of ours
+    transfers: list[Transfer] = []
+
+    def add(entries, ti, box, size, max_numel):
+        n = box.numel
+        if n <= max_numel:
+            entries.append((Item(ti, box), n * size, box))
+        else:
+            for chunk in box.chunks(max_numel):
+                entries.append((Item(ti, chunk), chunk.numel * size, box))
+
+    with _gc_paused():
+        for ti, tp in enumerate(plan.tensor_plans):
+            size = isz[ti]
+            max_numel = max(1, bucket_bytes // size)
+            for ep in eps:
+                for m in tp.moves_for(ep):
+                    src = m.src
+                    if src.side == "dst":
+                        if ep == src or src not in mine:     # once if both ends are ours
+                            forwards[(src.rank, ti, m.box)].append((m.dst, m.path))
+                            if src not in mine:
+                                forwarders.add(src.rank)
+                        continue
+                    if ep.side == "dst" and src in mine:     # already taken from the sender
+                        continue
+                    add(pair_items[(src, m.dst, m.path)], ti, m.box, size, max_numel)
+        # Network pairs into forwarders that are not ours: only to key their forwards to us.
+        replay: dict[tuple, list] = defaultdict(list)
+        for f in sorted(forwarders):
+            fe = Endpoint("dst", f)
+            for ti, tp in enumerate(plan.tensor_plans):
+                size = isz[ti]
+                max_numel = max(1, bucket_bytes // size)
+                for m in tp.moves_for(fe):
+                    if (m.dst == f and m.path == NETWORK and m.src.side == "src"
+                            and m.src not in mine):      # our own sends are in pair_items
+                        add(replay[(m.src, f, NETWORK)], ti, m.box, size, max_numel)
+
+        for pairs, emit in ((pair_items, True), (replay, False)):
+            for (src, dst, path), entries in pairs.items():
+                rot = (n_src + dst - (src.rank if src.side == "src" else n_src + src.rank)) % world
+                gsrc = src.rank if src.side == "src" else n_src + src.rank
+                for k, bucket in enumerate(_pack(entries, bucket_bytes)):
+                    key = (k, _PATH_ORDER[path], rot, gsrc, dst, 0, -1)
+                    if emit:
+                        transfers.append(_transfer(isz, key, src, dst, path, bucket))
+                    if path != NETWORK:
+                        continue
+                    forwarder_mine = dst in my_dst
+                    fwd: dict[tuple, list] = defaultdict(list)
+                    for entry in bucket:
+                        for target_path in forwards.get((dst, entry[0].tensor, entry[2]), ()):
+                            if forwarder_mine or target_path[0] in my_dst:
+                                fwd[target_path].append(entry)
+                    for (target, fpath), fentries in sorted(fwd.items()):
+                        transfers.append(_transfer(isz, forward_key(key, target),
+                                                   Endpoint("dst", dst), target, fpath, fentries))
+        transfers.sort(key=lambda t: t.key)
+        return transfers
+
+
 def _pack(entries: list, bucket_bytes: int) -> list[list]:
     """Greedy buckets of consecutive entries (item, nbytes, parent) of at most bucket_bytes."""
     buckets, cur, cur_bytes = [], [], 0
