@@ -270,68 +270,124 @@ def build_share(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int) ->
     n_src = plan.topology.n_src
     world = n_src + plan.topology.n_dst
     isz = [spec.itemsize for spec in plan.specs]
-    pair_items: dict[tuple, list] = defaultdict(list)
     forwards: dict[tuple, list] = defaultdict(list)
-    forwarders: set = set()          # destination ranks, not ours, that forward to one of ours
     transfers: list[Transfer] = []
 
-    def add(entries, ti, box, size, max_numel):
+    def cut(box, size, max_numel):
         n = box.numel
         if n <= max_numel:
-            entries.append((Item(ti, box), n * size, box))
-        else:
-            for chunk in box.chunks(max_numel):
-                entries.append((Item(ti, chunk), chunk.numel * size, box))
+            return [(box, n * size, box)]
+        return [(c, c.numel * size, box) for c in box.chunks(max_numel)]
+
+    my_src = {e.rank for e in mine if e.side == "src"}
+
+    def digest(tp, size):
+        """Our pairs' pieces and the forwards we take part in, for one distinct tensor plan."""
+        max_numel = max(1, bucket_bytes // size)
+        pairs: dict[tuple, list] = defaultdict(list)
+        fwds = []
+        for m in tp.moves:
+            src, dst = m.src, m.dst
+            if src.side == "dst":
+                if src.rank in my_dst or dst in my_dst:
+                    fwds.append((src.rank, m.box, (dst, m.path)))
+            elif src.rank in my_src or dst in my_dst:
+                pairs[slot((src, dst, m.path))] += cut(m.box, size, max_numel)
+        return list(pairs.items()), fwds
+
+    def replay_digest(tp, size, fset):
+        """Network pieces into forwarders (not ours) from sources (not ours)."""
+        max_numel = max(1, bucket_bytes // size)
+        pairs: dict[tuple, list] = defaultdict(list)
+        for m in tp.moves:
+            if (m.dst in fset and m.path == NETWORK and m.src.side == "src"
+                    and m.src.rank not in my_src):   # our own sends are cut above
+                pairs[slot((m.src, m.dst, NETWORK), False)] += cut(m.box, size, max_numel)
+        return list(pairs.items())
+
+    pair_keys: list[tuple] = []          # (sender, receiver, path, ours)
+    pair_lists: list[list] = []
+    pair_slot: dict[tuple, int] = {}
+
+    def slot(pair, ours=True):
+        i = pair_slot.get(pair)
+        if i is None:
+            i = pair_slot[pair] = len(pair_keys)
+            pair_keys.append(pair + (ours,))
+            pair_lists.append([])
+        return i
+
+    def expand(digested, ti):
+        for i, pieces in digested:
+            pair_lists[i].extend([(nb, ti, box, parent) for box, nb, parent in pieces])
+
+    def emit(key, src, dst, path, entries):
+        transfers.append(_transfer(isz, key, src, dst, path,
+                                   [(Item(ti, box), nb) for nb, ti, box, _ in entries]))
 
     with _gc_paused():
+        cache: dict = {}
+        forwarders: set = set()          # destination ranks, not ours, forwarding to ours
         for ti, tp in enumerate(plan.tensor_plans):
-            size = isz[ti]
-            max_numel = max(1, bucket_bytes // size)
-            for ep in eps:
-                for m in tp.moves_for(ep):
-                    src = m.src
-                    if src.side == "dst":
-                        if ep == src or src not in mine:     # once if both ends are ours
-                            forwards[(src.rank, ti, m.box)].append((m.dst, m.path))
-                            if src not in mine:
-                                forwarders.add(src.rank)
-                        continue
-                    if ep.side == "dst" and src in mine:     # already taken from the sender
-                        continue
-                    add(pair_items[(src, m.dst, m.path)], ti, m.box, size, max_numel)
+            ck = (id(tp), isz[ti])
+            d = cache.get(ck)
+            if d is None:
+                d = cache[ck] = digest(tp, isz[ti])
+                forwarders.update(f for f, _, _ in d[1] if f not in my_dst)
+            expand(d[0], ti)
+            for f, box, tgt in d[1]:
+                forwards[(f, ti)].append((box, tgt))
         # Network pairs into forwarders that are not ours: only to key their forwards to us.
-        replay: dict[tuple, list] = defaultdict(list)
-        for f in sorted(forwarders):
-            fe = Endpoint("dst", f)
+        if forwarders:
+            fset = frozenset(forwarders)
+            cache = {}
             for ti, tp in enumerate(plan.tensor_plans):
-                size = isz[ti]
-                max_numel = max(1, bucket_bytes // size)
-                for m in tp.moves_for(fe):
-                    if (m.dst == f and m.path == NETWORK and m.src.side == "src"
-                            and m.src not in mine):      # our own sends are in pair_items
-                        add(replay[(m.src, f, NETWORK)], ti, m.box, size, max_numel)
+                ck = (id(tp), isz[ti])
+                d = cache.get(ck)
+                if d is None:
+                    d = cache[ck] = replay_digest(tp, isz[ti], fset)
+                if d:
+                    expand(d, ti)
 
-        for pairs, emit in ((pair_items, True), (replay, False)):
-            for (src, dst, path), entries in pairs.items():
-                rot = (n_src + dst - (src.rank if src.side == "src" else n_src + src.rank)) % world
-                gsrc = src.rank if src.side == "src" else n_src + src.rank
-                for k, bucket in enumerate(_pack(entries, bucket_bytes)):
-                    key = (k, _PATH_ORDER[path], rot, gsrc, dst, 0, -1)
-                    if emit:
-                        transfers.append(_transfer(isz, key, src, dst, path, bucket))
-                    if path != NETWORK:
+        for (src, dst, path, ours), entries in zip(pair_keys, pair_lists):
+            rot = (n_src + dst - (src.rank if src.side == "src" else n_src + src.rank)) % world
+            gsrc = src.rank if src.side == "src" else n_src + src.rank
+            forwarder_mine = dst in my_dst
+            for k, bucket in enumerate(_pack_sized(entries, bucket_bytes)):
+                key = (k, _PATH_ORDER[path], rot, gsrc, dst, 0, -1)
+                if ours:
+                    emit(key, src, dst, path, bucket)
+                if path != NETWORK or not forwards:
+                    continue
+                fwd: dict[tuple, list] = defaultdict(list)
+                for entry in bucket:
+                    fs = forwards.get((dst, entry[1]))
+                    if fs is None:
                         continue
-                    forwarder_mine = dst in my_dst
-                    fwd: dict[tuple, list] = defaultdict(list)
-                    for entry in bucket:
-                        for target_path in forwards.get((dst, entry[0].tensor, entry[2]), ()):
-                            if forwarder_mine or target_path[0] in my_dst:
-                                fwd[target_path].append(entry)
-                    for (target, fpath), fentries in sorted(fwd.items()):
-                        transfers.append(_transfer(isz, forward_key(key, target),
-                                                   Endpoint("dst", dst), target, fpath, fentries))
+                    parent = entry[3]
+                    for box, target_path in fs:
+                        if box == parent and (forwarder_mine or target_path[0] in my_dst):
+                            fwd[target_path].append(entry)
+                for (target, fpath), fentries in sorted(fwd.items()):
+                    emit(forward_key(key, target), Endpoint("dst", dst), target, fpath,
+                         fentries)
         transfers.sort(key=lambda t: t.key)
         return transfers
+
+
+def _pack_sized(entries: list, bucket_bytes: int) -> list[list]:
+    """Greedy buckets of consecutive entries (nbytes, ...) of at most bucket_bytes."""
+    buckets, cur, cur_bytes = [], [], 0
+    for e in entries:
+        nb = e[0]
+        if cur and cur_bytes + nb > bucket_bytes:
+            buckets.append(cur)
+            cur, cur_bytes = [], 0
+        cur.append(e)
+        cur_bytes += nb
+    if cur:
+        buckets.append(cur)
+    return buckets
 
 
 def _pack(entries: list, bucket_bytes: int) -> list[list]:
