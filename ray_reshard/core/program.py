@@ -23,7 +23,7 @@ dtype run, against wire views that are cached per staging buffer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
@@ -49,7 +49,7 @@ class Part:
     """The items of one transfer on one side, resolved against this process's shards."""
 
     __slots__ = ("held", "slices", "shapes", "numels", "wire", "offsets", "nbytes", "item_bytes",
-                 "_regions", "_runs", "_wires")
+                 "_regions", "_runs", "_wires", "_msgs")
 
     def __init__(self, held, slices, shapes, numels, wire, offsets, item_bytes, nbytes):
         self.held = held              # per item: index into Program.held
@@ -63,13 +63,14 @@ class Part:
         self._regions = None          # per item: region view in the local shard (bound)
         self._runs = None             # merged copy runs (see _bind)
         self._wires: dict = {}        # staging buffer data pointer -> wire views of the runs
+        self._msgs = None             # per item: bytes of the region itself, or None (staged)
 
     def __len__(self) -> int:
         return len(self.held)
 
     # ------------------------------------------------------------------ binding
     def unbind(self) -> None:
-        self._regions = self._runs = None
+        self._regions = self._runs = self._msgs = None
         self._wires = {}
 
     def bind(self, views: Sequence[torch.Tensor]) -> None:
@@ -93,6 +94,7 @@ class Part:
         self._regions = regions
         self._runs = runs
         self._wires = {}
+        self._msgs = None
 
     @property
     def n_runs(self) -> int:
@@ -132,6 +134,21 @@ class Part:
         """Copy a bucket's bytes from `buf` into the local shards."""
         torch._foreach_copy_([r[3] for r in self._runs], self._wire_views(buf, cache))
 
+    def messages(self, sending: bool) -> list:
+        """Per item (one message each): the region's own bytes when it is contiguous (and, to
+        send, already in the wire dtype), else None: that item goes through a staging buffer."""
+        if self._msgs is None:
+            self._msgs = [r.reshape(-1).view(torch.uint8)
+                          if r.is_contiguous() and (not sending or r.dtype == w) else None
+                          for r, w in zip(self._regions, self.wire)]
+        return self._msgs
+
+    def pack_item(self, i: int, buf: torch.Tensor) -> None:
+        buf.view(self.wire[i]).view(self.shapes[i]).copy_(self._regions[i])
+
+    def unpack_item(self, i: int, buf: torch.Tensor) -> None:
+        self._regions[i].copy_(buf.view(self.wire[i]).view(self.shapes[i]))
+
     def copy_from(self, other: "Part") -> None:
         """Local copy: this part's regions take `other`'s (same items, same order)."""
         torch._foreach_copy_(self._regions, other._regions)
@@ -160,6 +177,7 @@ class Program:
     steps: list
     bucket_bytes: int
     max_ring_bytes: dict = field(default_factory=dict)   # peer -> largest non-network bucket sent
+    staging: Any = None           # the executor's staging buffers (kept across refits)
     _sigs: Optional[list] = None
     _users: Optional[list] = None  # per held index: the parts reading or writing that shard
 
