@@ -17,7 +17,15 @@ def main(argv=None) -> int:
                    add_help=False)
     sub.add_parser("model-bytes", help="bytes of real-size models under the brief's layouts",
                    add_help=False)
+    for name in ("replay", "first-refit", "object-store"):
+        sub.add_parser(f"bench-{name}", help=f"benchmark: {name}", add_help=False)
     args, rest = ap.parse_known_args(argv)
+    if args.cmd in ("bench-replay", "bench-first-refit"):
+        from .bench.scale import main as m
+        return m(rest, args.cmd[6:])
+    if args.cmd == "bench-object-store":
+        from .bench.object_store import main as m
+        return m(rest)
     if args.cmd == "demo":
         from .demo import run_demo
         return run_demo(scale=args.scale)

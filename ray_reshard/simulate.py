@@ -15,7 +15,7 @@ import torch
 from .core.pack import shard_view
 from .core.plan import DEFAULT_BUCKET_BYTES, Plan
 from .core.planner import Endpoint
-from .core.program import COPY, RECV, SEND, compile_program
+from .core.program import COPY, SEND, compile_program
 
 
 def simulate_refit(plan: Plan, src_storage: Sequence[Mapping[str, torch.Tensor]],

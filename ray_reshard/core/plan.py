@@ -265,7 +265,6 @@ def build_share(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int) ->
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     mine = frozenset(endpoints)
-    eps = sorted(mine, key=lambda e: (e.side, e.rank))
     my_dst = {e.rank for e in mine if e.side == "dst"}
     n_src = plan.topology.n_src
     world = n_src + plan.topology.n_dst

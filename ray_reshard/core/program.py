@@ -32,17 +32,24 @@ from .planner import NETWORK, Endpoint
 
 SEND, RECV, COPY = "send", "recv", "copy"
 
-# Network buckets whose items are all at least this large travel as one message per item.
+# Network buckets whose items are all at least this large travel as one message per item, on
+# CPU tensors (a message costs less than copying such an item into a staging buffer). On GPUs a
+# device copy costs far less than a message, so buckets always travel packed (threshold None).
 PER_ITEM_MIN_BYTES = 64 << 10
+
+
+def per_item_min_bytes(device_type: str):
+    """The per-item threshold for a group's device type (the same on both ends of a group)."""
+    return PER_ITEM_MIN_BYTES if device_type == "cpu" else None
 
 _WIRE_CACHE = 4          # staging buffers per part whose wire views are kept
 
 
-def per_item(plan: Plan, t: Transfer) -> bool:
+def per_item(plan: Plan, t: Transfer, min_bytes: Optional[int] = PER_ITEM_MIN_BYTES) -> bool:
     """Wire format of a network bucket, decided from the plan alone so both ends agree:
     True = one message per item, False = one packed message for the whole bucket."""
-    return t.path == NETWORK and all(
-        it.box.numel * plan.specs[it.tensor].itemsize >= PER_ITEM_MIN_BYTES for it in t.items)
+    return min_bytes is not None and t.path == NETWORK and all(
+        it.box.numel * plan.specs[it.tensor].itemsize >= min_bytes for it in t.items)
 
 
 class Part:
@@ -197,7 +204,9 @@ class Program:
         whose shards changed storage, shape, strides or dtype since the last bind are rebuilt.
         Returns how many parts were (re)built."""
         views = [lookup[k] for k in self.held]
-        sigs = [(v.data_ptr(), v.stride(), v.shape, v.dtype, v.device) for v in views]
+        # Shapes, dtypes and devices are validated before every refit: where the view starts
+        # and how it is laid out tell whether the regions cut from it still hold.
+        sigs = [(v.data_ptr(), v.stride()) for v in views]
         if self._users is None:
             self._users = [[] for _ in self.held]
             for p in self.parts():
@@ -256,11 +265,14 @@ def _part(plan: Plan, t: Transfer, side: str, rank: int, held_index: dict, held:
 
 def compile_program(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int,
                     proc_of: Optional[dict] = None,
-                    transfers: Optional[Sequence[Transfer]] = None) -> Program:
+                    transfers: Optional[Sequence[Transfer]] = None,
+                    per_item_bytes: Optional[int] = PER_ITEM_MIN_BYTES) -> Program:
     """Compile the share of `plan` that the process holding `endpoints` runs.
 
     `proc_of` maps every endpoint to its process (default: each endpoint its own process,
     numbered sources first). `transfers` may pass the share when the caller has it already.
+    `per_item_bytes` is the wire format's per-item threshold (see `per_item_min_bytes`); every
+    process of a group must use the same.
     """
     mine = frozenset(endpoints)
     if proc_of is None:
@@ -286,7 +298,7 @@ def compile_program(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int
                 ring[peer] = max(ring.get(peer, 0), t.nbytes)
         else:
             kind, peer = RECV, proc_of[t.src]
-        steps.append(Step(kind, t.key, t.path, peer, t.nbytes, per_item(plan, t), after, send,
+        steps.append(Step(kind, t.key, t.path, peer, t.nbytes, per_item(plan, t, per_item_bytes), after, send,
                           recv))
     return Program(held, steps, bucket_bytes, ring)
 

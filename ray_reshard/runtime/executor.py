@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
 from ..core.plan import Plan
-from ..core.planner import NETWORK, Endpoint
-from ..core.program import COPY, SEND, Program, compile_program
+from ..core.planner import NETWORK
+from ..core.program import COPY, SEND, Program, compile_program, per_item_min_bytes
 from .transport import torch_pg
 
 # Staging memory a process may hold for network buckets in flight, by default.
@@ -163,8 +163,7 @@ def run_program(prog: Program, views: dict, tr: Transports, deadline: float) -> 
     max_in_flight = 4 * window
     staging = getattr(prog, "staging", None)
     if staging is None or staging.window != window or staging.device != tr.device:
-        size = max([s.nbytes for s in prog.steps if s.path == NETWORK and s.kind != COPY],
-                   default=1)
+        size = max([s.nbytes for s in prog.steps if s.kind != COPY], default=1)
         staging = prog.staging = Staging(window, min(size, prog.bucket_bytes), tr.device)
     staging.next = 0             # same buffer per step every refit: cached wire views hold
     pending: deque = deque()     # (handle, step, is_recv, staging index or -1, after)
@@ -281,8 +280,9 @@ class Reshard:
     name = "reshard"
 
     def install(self, plan: Plan, endpoints, bucket_bytes: int, proc_of: dict, pg=None,
-                transfers=None) -> Program:
-        return compile_program(plan, endpoints, bucket_bytes, proc_of, transfers)
+                transfers=None, device_type: str = "cpu") -> Program:
+        return compile_program(plan, endpoints, bucket_bytes, proc_of, transfers,
+                               per_item_min_bytes(device_type))
 
     def execute(self, wg, prog, views: dict, deadline: float) -> dict:
         return run_program(prog.compiled, views, transports(wg), deadline)
@@ -294,7 +294,7 @@ class GatherBroadcast:
     name = "gather_broadcast"
 
     def install(self, plan: Plan, endpoints, bucket_bytes: int, proc_of: dict, pg=None,
-                transfers=None):
+                transfers=None, device_type: str = "cpu"):
         from .gather_broadcast import build_steps
         me = proc_of[next(iter(endpoints))]
         steps = build_steps(plan, proc_of, me, bucket_bytes)

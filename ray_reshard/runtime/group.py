@@ -10,7 +10,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from ..core.plan import DEFAULT_BUCKET_BYTES, Plan, PlanStats, plan as make_plan
-from ..core.planner import NETWORK, Endpoint
+from ..core.planner import Endpoint
 from ..core.spec import TensorSpec
 from ..errors import RefitError, TransportError
 from . import worker

@@ -116,7 +116,7 @@ def install(actor, group_id: str, key: str, plan: Plan, transfers: Optional[list
         ring = {}
     else:
         prog.compiled = strat.install(plan, wg.endpoints, wg.bucket_bytes, wg.ep_pid,
-                                      transfers=transfers)
+                                      transfers=transfers, device_type=wg.device.type)
         ring = dict(prog.compiled.max_ring_bytes)
     wg.programs[key] = prog
     return ring
