@@ -216,8 +216,10 @@ def first_refit(args) -> None:
         q = pickle.loads(blob)
         t_load = time.process_time() - t0
         compile_s = []
-        for ep in busiest(q):
+        for ep in busiest(p):
+            q = pickle.loads(blob)
             t0 = time.process_time()
+            q.localize([ep])
             compile_program(q, [ep], args.bucket_mb << 20)
             compile_s.append(time.process_time() - t0)
         del q

@@ -6,6 +6,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import repeat
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from .box import Box
@@ -73,12 +74,33 @@ class Plan:
     def __init__(self, specs: Mapping[str, TensorSpec], topology: Topology,
                  tensor_plans: Sequence[TensorPlan]):
         self.names: tuple[str, ...] = tuple(specs)
-        self.specs: tuple[TensorSpec, ...] = tuple(specs[n] for n in self.names)
+        self._specs: tuple[TensorSpec, ...] = tuple(specs[n] for n in self.names)
         self.topology = topology
         self.tensor_plans: tuple[TensorPlan, ...] = tuple(tensor_plans)
 
     def __len__(self) -> int:
         return len(self.names)
+
+    @property
+    def specs(self) -> tuple[TensorSpec, ...]:
+        """The TensorSpecs, in `names` order."""
+        sp = self.__dict__.get("_specs")
+        if sp is None:
+            sp = self._specs = tuple([_spec(*c, None) for c in self.__dict__.pop("_spec_columns")])
+        return sp
+
+    def localize(self, endpoints: Iterable[Endpoint]) -> None:
+        """In a process that holds only `endpoints`: unpack the specs of a shipped plan with
+        only these ranks' slots (a model recipe gives every tensor a slot for every rank; the
+        others are never looked up here). No effect on a plan whose specs are unpacked."""
+        columns = self.__dict__.pop("_spec_columns", None)
+        if columns is None:
+            return
+        mine = {"src": set(), "dst": set()}
+        for ep in endpoints:
+            mine[ep.side].add(ep.rank)
+        only = {side: tuple(sorted(r)) for side, r in mine.items()}
+        self._specs = tuple([_spec(*c, only) for c in columns])
 
     @cached_property
     def index(self) -> dict[str, int]:
@@ -157,9 +179,24 @@ class Plan:
 
     def __getstate__(self):
         # Schedules are caches, often far larger than the plan: rebuild them where needed.
-        state = dict(self.__dict__)
-        state.pop("_schedules", None)
+        # Specs travel as columns: model recipes give every tensor a slot per rank (hundreds of
+        # (rank, Slot) pairs, millions in all), which pickled one by one dominated shipping.
+        state = {k: v for k, v in self.__dict__.items()
+                 if k in ("names", "topology", "tensor_plans")}
+        if "_spec_columns" in self.__dict__:     # shipped on without being unpacked
+            state["spec_columns"] = self.__dict__["_spec_columns"]
+            return state
+        ranks_seen: dict = {}
+        state["spec_columns"] = [
+            (sp.shape, sp.dtype, sp.src, sp.dst, sp.src_dtype,
+             _pack_slots(sp.src_slots, ranks_seen), _pack_slots(sp.dst_slots, ranks_seen))
+            for sp in self.specs]
         return state
+
+    def __setstate__(self, state):
+        # Specs are unpacked on first use (all ranks' slots) or by localize() (this process's).
+        self._spec_columns = state.pop("spec_columns")
+        self.__dict__.update(state)
 
     def schedule(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> "Schedule":
         """Buckets of at most `bucket_bytes` in one deadlock-free global order (cached)."""
@@ -167,6 +204,40 @@ class Plan:
         if bucket_bytes not in cache:
             cache[bucket_bytes] = build_schedule(self, bucket_bytes)
         return cache[bucket_bytes]
+
+
+def _pack_slots(table, ranks_seen: dict):
+    """(ranks, slot) when every rank has the same Slot object, else (ranks, slots)."""
+    if not table:
+        return table
+    ranks, slots = zip(*table)
+    ranks = ranks_seen.setdefault(ranks, ranks)
+    first = slots[0]
+    if slots.count(first) == len(slots):
+        return (ranks, first, True)
+    return (ranks, slots, False)
+
+
+def _unpack_slots(packed, only):
+    if not packed:
+        return packed
+    ranks, slots, same = packed
+    if only is None:
+        return tuple(zip(ranks, repeat(slots, len(ranks)) if same else slots))
+    return tuple([(r, slots if same else slots[ranks.index(r)]) for r in only if r in ranks])
+
+
+_new = object.__new__
+
+
+def _spec(shape, dtype, src, dst, src_dtype, src_slots, dst_slots, only) -> TensorSpec:
+    """A TensorSpec from validated fields (no re-validation: it was checked when planned), with
+    the slots of the ranks `only[side]` (None: all)."""
+    sp = _new(TensorSpec)
+    sp.__dict__.update(shape=shape, dtype=dtype, src=src, dst=dst, src_dtype=src_dtype,
+                       src_slots=_unpack_slots(src_slots, None if only is None else only["src"]),
+                       dst_slots=_unpack_slots(dst_slots, None if only is None else only["dst"]))
+    return sp
 
 
 class Schedule:

@@ -234,30 +234,33 @@ class Program:
         self._sigs = None
 
 
-def _part(plan: Plan, t: Transfer, side: str, rank: int, held_index: dict, held: list) -> Part:
+def _part(plan: Plan, t: Transfer, side: str, rank: int, held_index: dict, held: list,
+          info: dict) -> Part:
     hs, sl, shapes, numels, wire, offs, nbs = [], [], [], [], [], [], []
     off = 0
-    origin_cache: dict = {}
     for it in t.items:
         ti = it.tensor
-        spec = plan.specs[ti]
         k = (side, rank, ti)
-        h = held_index.get(k)
-        if h is None:
+        got = info.get(k)
+        if got is None:
+            spec = plan.specs[ti]
             h = held_index[k] = len(held)
             held.append(k)
-        origin = origin_cache.get(ti)
-        if origin is None:
-            origin = origin_cache[ti] = spec.layout(side).box(rank, spec.shape).offsets
+            got = info[k] = (h, spec.layout(side).box(rank, spec.shape).offsets, spec.dtype,
+                             spec.itemsize)
+        h, origin, dtype, size = got
         box = it.box
+        sizes = box.sizes
         hs.append(h)
-        sl.append(tuple(slice(a - o, a - o + n) for a, o, n in zip(box.offsets, origin, box.sizes)))
-        shapes.append(box.sizes)
-        n = box.numel
+        sl.append(tuple([slice(a - o, a - o + n) for a, o, n in zip(box.offsets, origin, sizes)]))
+        shapes.append(sizes)
+        n = 1
+        for x in sizes:
+            n *= x
         numels.append(n)
-        wire.append(spec.dtype)
+        wire.append(dtype)
         offs.append(off)
-        nb = n * spec.itemsize
+        nb = n * size
         nbs.append(nb)
         off += nb
     return Part(hs, sl, shapes, numels, wire, offs, nbs, off)
@@ -282,14 +285,15 @@ def compile_program(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int
         transfers = build_share(plan, mine, bucket_bytes)
     held: list = []
     held_index: dict = {}
+    info: dict = {}              # (side, rank, tensor) -> (held index, origin, dtype, itemsize)
     steps = []
     ring: dict = {}
     for t in transfers:
         dst_ep = Endpoint("dst", t.dst)
         here_send, here_recv = t.src in mine, dst_ep in mine
         after = parent_key(t) if (here_send and t.src.side == "dst") else None
-        send = _part(plan, t, t.src.side, t.src.rank, held_index, held) if here_send else None
-        recv = _part(plan, t, "dst", t.dst, held_index, held) if here_recv else None
+        send = _part(plan, t, t.src.side, t.src.rank, held_index, held, info) if here_send else None
+        recv = _part(plan, t, "dst", t.dst, held_index, held, info) if here_recv else None
         if here_send and here_recv:
             kind, peer = COPY, -1
         elif here_send:
@@ -298,8 +302,10 @@ def compile_program(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int
                 ring[peer] = max(ring.get(peer, 0), t.nbytes)
         else:
             kind, peer = RECV, proc_of[t.src]
-        steps.append(Step(kind, t.key, t.path, peer, t.nbytes, per_item(plan, t, per_item_bytes), after, send,
-                          recv))
+        part = send if send is not None else recv
+        whole = (per_item_bytes is not None and t.path == NETWORK
+                 and min(part.item_bytes) >= per_item_bytes)
+        steps.append(Step(kind, t.key, t.path, peer, t.nbytes, whole, after, send, recv))
     return Program(held, steps, bucket_bytes, ring)
 
 

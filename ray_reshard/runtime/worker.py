@@ -98,6 +98,7 @@ def install(actor, group_id: str, key: str, plan: Plan, transfers: Optional[list
     `transfers`, this process's share, when given). Returns {peer process: largest bucket this
     process sends it outside the network}, for sizing shared-memory rings."""
     wg = _GROUPS[group_id]
+    plan.localize(wg.endpoints)
     held = []
     for ep in sorted(wg.endpoints, key=lambda e: (e.side, e.rank)):
         layout_boxes: dict = {}
