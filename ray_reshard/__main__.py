@@ -17,8 +17,10 @@ def main(argv=None) -> int:
                    add_help=False)
     sub.add_parser("model-bytes", help="bytes of real-size models under the brief's layouts",
                    add_help=False)
-    for name in ("replay", "first-refit", "object-store"):
-        sub.add_parser(f"bench-{name}", help=f"benchmark: {name}", add_help=False)
+    for name, what in (("replay", "the busiest ranks' programs through the executor at model scale"),
+                       ("first-refit", "driver and per-actor set-up of a first refit at 256-1024 ranks"),
+                       ("object-store", "reshard vs Ray object store on local actors")):
+        sub.add_parser(f"bench-{name}", help=what, add_help=False)
     args, rest = ap.parse_known_args(argv)
     if args.cmd in ("bench-replay", "bench-first-refit"):
         from .bench.scale import main as m
