@@ -6,6 +6,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
+from bisect import bisect_right
 from itertools import repeat
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
@@ -373,7 +374,7 @@ def build_share(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int) ->
             if (m.dst in fset and m.path == NETWORK and m.src.side == "src"
                     and m.src.rank not in my_src):   # our own sends are cut above
                 pairs[slot((m.src, m.dst, NETWORK), False)] += cut(m.box, size, max_numel)
-        return list(pairs.items())
+        return [(i, tuple([nb for _, nb, _ in pieces]), pieces) for i, pieces in pairs.items()]
 
     pair_keys: list[tuple] = []          # (sender, receiver, path, ours)
     pair_lists: list[list] = []
@@ -408,6 +409,8 @@ def build_share(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int) ->
             for f, box, tgt in d[1]:
                 forwards[(f, ti)].append((box, tgt))
         # Network pairs into forwarders that are not ours: only to key their forwards to us.
+        replay_sizes: dict[int, list] = {}
+        replay_marks: dict[int, list] = {}
         if forwarders:
             fset = frozenset(forwarders)
             cache = {}
@@ -416,14 +419,37 @@ def build_share(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int) ->
                 d = cache.get(ck)
                 if d is None:
                     d = cache[ck] = replay_digest(tp, isz[ti], fset)
-                if d:
-                    expand(d, ti)
+                for i, sizes, pieces in d:
+                    # Only the sizes decide the buckets; only pieces forwarded here are kept.
+                    lst = replay_sizes.setdefault(i, [])
+                    if (pair_keys[i][1], ti) in forwards:
+                        pos = len(lst)
+                        replay_marks.setdefault(i, []).extend(
+                            [(pos + j, (nb, ti, box, parent))
+                             for j, (box, nb, parent) in enumerate(pieces)])
+                    lst.extend(sizes)
 
-        for (src, dst, path, ours), entries in zip(pair_keys, pair_lists):
+        def buckets(i, entries):
+            """(k, entries) of pair i: our pairs' buckets, or a replayed pair's buckets that
+            hold pieces forwarded to us (found from the piece sizes alone)."""
+            if pair_keys[i][3]:
+                return enumerate(_pack_sized(entries, bucket_bytes))
+            starts, cur = [], 0
+            for pos, nb in enumerate(replay_sizes.get(i, ())):
+                if cur and cur + nb > bucket_bytes:
+                    starts.append(pos)
+                    cur = 0
+                cur += nb
+            by_k: dict[int, list] = {}
+            for pos, entry in replay_marks.get(i, ()):
+                by_k.setdefault(bisect_right(starts, pos), []).append(entry)
+            return by_k.items()
+
+        for i, (src, dst, path, ours) in enumerate(pair_keys):
             rot = (n_src + dst - (src.rank if src.side == "src" else n_src + src.rank)) % world
             gsrc = src.rank if src.side == "src" else n_src + src.rank
             forwarder_mine = dst in my_dst
-            for k, bucket in enumerate(_pack_sized(entries, bucket_bytes)):
+            for k, bucket in buckets(i, pair_lists[i]):
                 key = (k, _PATH_ORDER[path], rot, gsrc, dst, 0, -1)
                 if ours:
                     emit(key, src, dst, path, bucket)
