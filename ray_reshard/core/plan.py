@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import pickle
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -194,6 +195,14 @@ class Plan:
             for sp in self.specs]
         return state
 
+    def __reduce__(self):
+        # Pickled apart, with the cyclic collector paused on both ends: a plan is hundreds of
+        # thousands of small objects, and collections triggered while (un)pickling them cost
+        # more than the pickling itself.
+        with _gc_paused():
+            blob = pickle.dumps(self.__getstate__(), protocol=pickle.HIGHEST_PROTOCOL)
+        return (_load_plan, (blob,))
+
     def __setstate__(self, state):
         # Specs are unpacked on first use (all ranks' slots) or by localize() (this process's).
         self._spec_columns = state.pop("spec_columns")
@@ -205,6 +214,14 @@ class Plan:
         if bucket_bytes not in cache:
             cache[bucket_bytes] = build_schedule(self, bucket_bytes)
         return cache[bucket_bytes]
+
+
+def _load_plan(blob: bytes) -> "Plan":
+    with _gc_paused():
+        state = pickle.loads(blob)
+    p = Plan.__new__(Plan)
+    p.__setstate__(state)
+    return p
 
 
 def _pack_slots(table, ranks_seen: dict):
