@@ -196,9 +196,9 @@ class Plan:
         return state
 
     def __reduce__(self):
-        # Pickled apart, with the cyclic collector paused on both ends: a plan is hundreds of
-        # thousands of small objects, and collections triggered while (un)pickling them cost
-        # more than the pickling itself.
+        # Pickled apart, with the cyclic collector paused: a plan is hundreds of thousands of
+        # small objects, and collections triggered while the driver pickles them cost more
+        # than the pickling itself.
         with _gc_paused():
             blob = pickle.dumps(self.__getstate__(), protocol=pickle.HIGHEST_PROTOCOL)
         return (_load_plan, (blob,))
@@ -217,8 +217,8 @@ class Plan:
 
 
 def _load_plan(blob: bytes) -> "Plan":
-    with _gc_paused():
-        state = pickle.loads(blob)
+    # Not paused here: the objects loaded would only be scanned by the collections that follow.
+    state = pickle.loads(blob)
     p = Plan.__new__(Plan)
     p.__setstate__(state)
     return p
