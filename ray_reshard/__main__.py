@@ -34,6 +34,21 @@ BENCHES = {
 }
 
 
+# subcommand -> (module, help, how to call it with the remaining arguments): benchmarks that
+# parse their own arguments.
+OWN_PARSERS = {
+    "bench-replay": ("ray_reshard.bench.scale",
+                     "the busiest ranks' compiled programs through the executor at model scale",
+                     lambda m, rest: m.main(rest, "replay")),
+    "bench-first-refit": ("ray_reshard.bench.scale",
+                          "driver and per-actor set-up of a first refit at 256-1024 ranks",
+                          lambda m, rest: m.main(rest, "first-refit")),
+    "bench-object-store": ("ray_reshard.bench.object_store",
+                           "reshard vs the Ray object store (zero-copy numpy) on local actors",
+                           lambda m, rest: m.main(rest)),
+}
+
+
 def parser() -> Parser:
     ap = Parser(prog="ray-reshard", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -55,6 +70,8 @@ def parser() -> Parser:
     for name, (module, text) in BENCHES.items():
         b = sub.add_parser(name, help=text, description=text)
         importlib.import_module(module).add_args(b)
+    for name, (_, text, _) in OWN_PARSERS.items():
+        sub.add_parser(name, help=text, add_help=False)
     if _has_simulator():
         sub.add_parser("simulate", help="predict a refit's time on a described cluster "
                                         "(same --model/--train/--infer)", add_help=False)
@@ -115,6 +132,9 @@ def main(argv=None) -> int:
     if argv[:1] == ["simulate"] and _has_simulator():     # the simulator parses its own arguments
         from .sim.cli import main as simulate
         return simulate(argv[1:])
+    if argv[:1] and argv[0] in OWN_PARSERS:               # so do these benchmarks
+        module, _, call = OWN_PARSERS[argv[0]]
+        return call(importlib.import_module(module), argv[1:]) or 0
     ap = parser()
     args = ap.parse_args(argv)
     if args.cmd == "plan":

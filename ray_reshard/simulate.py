@@ -1,16 +1,21 @@
 """Run a plan in one process over per-rank storage dicts: the reference executor.
 
-Tests and tools use it to check plans end to end without Ray; it runs the same schedule and the
-same pack/unpack code as the actor runtime.
+Tests and tools use it to check plans end to end without Ray. It runs what the actor runtime
+runs: every rank compiles its own program from the plan (`compile_program`), binds it to its
+shard views, and buckets travel in the runtime's wire format (`Part.pack` / `Part.unpack`),
+handed from sender to receiver in the global key order.
 """
 from __future__ import annotations
 
+import heapq
 from typing import Mapping, Sequence
 
 import torch
 
-from .core.pack import pack, shard_view, unpack
+from .core.pack import shard_view
 from .core.plan import DEFAULT_BUCKET_BYTES, Plan
+from .core.planner import Endpoint
+from .core.program import COPY, SEND, compile_program
 
 
 def simulate_refit(plan: Plan, src_storage: Sequence[Mapping[str, torch.Tensor]],
@@ -18,13 +23,41 @@ def simulate_refit(plan: Plan, src_storage: Sequence[Mapping[str, torch.Tensor]]
                    bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
     """Execute `plan` writing into `dst_storage` in place; returns counts of bytes per path."""
     storages = {"src": src_storage, "dst": dst_storage}
-
-    def lookup(side: str, rank: int, tensor: int) -> torch.Tensor:
-        return shard_view(plan, side, rank, tensor, storages[side][rank])
-
+    topo = plan.topology
+    eps = [Endpoint("src", r) for r in range(topo.n_src)] + [
+        Endpoint("dst", r) for r in range(topo.n_dst)]
+    programs = []
+    for ep in eps:
+        prog = compile_program(plan, [ep], bucket_bytes)
+        views = {k: shard_view(plan, k[0], k[1], k[2], storages[k[0]][k[1]]) for k in prog.held}
+        prog.bind(views)
+        programs.append(prog)
     moved = {"network": 0, "domain": 0, "local": 0}
-    for t in plan.schedule(bucket_bytes).transfers:
-        buf = pack(plan, t, lookup)
-        unpack(plan, t, buf, lookup)
-        moved[t.path] += t.nbytes
+    packed: dict = {}            # key -> bucket bytes sent, not yet received
+    waiting: dict = {}           # key -> receiving part whose sender comes later in the merge
+    steps = heapq.merge(*[[(s.key, i, s) for i, s in enumerate(p.steps)] for p in programs],
+                        key=lambda x: x[0])
+    for key, _, s in steps:
+        if s.kind == COPY:
+            s.recv.copy_from(s.send)
+            moved[s.path] += s.nbytes
+            continue
+        if s.kind == SEND:
+            buf = torch.empty(s.nbytes, dtype=torch.uint8)
+            s.send.pack(buf, cache=False)
+            recv = waiting.pop(key, None)
+            if recv is None:
+                packed[key] = buf
+                continue
+        else:
+            buf = packed.pop(key, None)
+            if buf is None:
+                waiting[key] = s.recv
+                continue
+            recv = s.recv
+        recv.unpack(buf, cache=False)
+        moved[s.path] += s.nbytes
+    if packed or waiting:
+        raise RuntimeError(f"programs disagree: {len(packed)} buckets sent and never received, "
+                           f"{len(waiting)} expected and never sent")
     return moved

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import gc
+import pickle
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import cached_property
+from bisect import bisect_right
+from itertools import repeat
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from .box import Box
@@ -81,12 +84,33 @@ class Plan:
     def __init__(self, specs: Mapping[str, TensorSpec], topology: Topology,
                  tensor_plans: Sequence[TensorPlan]):
         self.names: tuple[str, ...] = tuple(specs)
-        self.specs: tuple[TensorSpec, ...] = tuple(specs[n] for n in self.names)
+        self._specs: tuple[TensorSpec, ...] = tuple(specs[n] for n in self.names)
         self.topology = topology
         self.tensor_plans: tuple[TensorPlan, ...] = tuple(tensor_plans)
 
     def __len__(self) -> int:
         return len(self.names)
+
+    @property
+    def specs(self) -> tuple[TensorSpec, ...]:
+        """The TensorSpecs, in `names` order."""
+        sp = self.__dict__.get("_specs")
+        if sp is None:
+            sp = self._specs = tuple([_spec(*c, None) for c in self.__dict__.pop("_spec_columns")])
+        return sp
+
+    def localize(self, endpoints: Iterable[Endpoint]) -> None:
+        """In a process that holds only `endpoints`: unpack the specs of a shipped plan with
+        only these ranks' slots (a model recipe gives every tensor a slot for every rank; the
+        others are never looked up here). No effect on a plan whose specs are unpacked."""
+        columns = self.__dict__.pop("_spec_columns", None)
+        if columns is None:
+            return
+        mine = {"src": set(), "dst": set()}
+        for ep in endpoints:
+            mine[ep.side].add(ep.rank)
+        only = {side: tuple(sorted(r)) for side, r in mine.items()}
+        self._specs = tuple([_spec(*c, only) for c in columns])
 
     @cached_property
     def index(self) -> dict[str, int]:
@@ -165,9 +189,32 @@ class Plan:
 
     def __getstate__(self):
         # Schedules are caches, often far larger than the plan: rebuild them where needed.
-        state = dict(self.__dict__)
-        state.pop("_schedules", None)
+        # Specs travel as columns: model recipes give every tensor a slot per rank (hundreds of
+        # (rank, Slot) pairs, millions in all), which pickled one by one dominated shipping.
+        state = {k: v for k, v in self.__dict__.items()
+                 if k in ("names", "topology", "tensor_plans")}
+        if "_spec_columns" in self.__dict__:     # shipped on without being unpacked
+            state["spec_columns"] = self.__dict__["_spec_columns"]
+            return state
+        ranks_seen: dict = {}
+        state["spec_columns"] = [
+            (sp.shape, sp.dtype, sp.src, sp.dst, sp.src_dtype,
+             _pack_slots(sp.src_slots, ranks_seen), _pack_slots(sp.dst_slots, ranks_seen))
+            for sp in self.specs]
         return state
+
+    def __reduce__(self):
+        # Pickled apart, with the cyclic collector paused: a plan is hundreds of thousands of
+        # small objects, and collections triggered while the driver pickles them cost more
+        # than the pickling itself.
+        with _gc_paused():
+            blob = pickle.dumps(self.__getstate__(), protocol=pickle.HIGHEST_PROTOCOL)
+        return (_load_plan, (blob,))
+
+    def __setstate__(self, state):
+        # Specs are unpacked on first use (all ranks' slots) or by localize() (this process's).
+        self._spec_columns = state.pop("spec_columns")
+        self.__dict__.update(state)
 
     def schedule(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> "Schedule":
         """Buckets of at most `bucket_bytes` in one deadlock-free global order (cached)."""
@@ -175,6 +222,48 @@ class Plan:
         if bucket_bytes not in cache:
             cache[bucket_bytes] = build_schedule(self, bucket_bytes)
         return cache[bucket_bytes]
+
+
+def _load_plan(blob: bytes) -> "Plan":
+    # Not paused here: the objects loaded would only be scanned by the collections that follow.
+    state = pickle.loads(blob)
+    p = Plan.__new__(Plan)
+    p.__setstate__(state)
+    return p
+
+
+def _pack_slots(table, ranks_seen: dict):
+    """(ranks, slot) when every rank has the same Slot object, else (ranks, slots)."""
+    if not table:
+        return table
+    ranks, slots = zip(*table)
+    ranks = ranks_seen.setdefault(ranks, ranks)
+    first = slots[0]
+    if slots.count(first) == len(slots):
+        return (ranks, first, True)
+    return (ranks, slots, False)
+
+
+def _unpack_slots(packed, only):
+    if not packed:
+        return packed
+    ranks, slots, same = packed
+    if only is None:
+        return tuple(zip(ranks, repeat(slots, len(ranks)) if same else slots))
+    return tuple([(r, slots if same else slots[ranks.index(r)]) for r in only if r in ranks])
+
+
+_new = object.__new__
+
+
+def _spec(shape, dtype, src, dst, src_dtype, src_slots, dst_slots, only) -> TensorSpec:
+    """A TensorSpec from validated fields (no re-validation: it was checked when planned), with
+    the slots of the ranks `only[side]` (None: all)."""
+    sp = _new(TensorSpec)
+    sp.__dict__.update(shape=shape, dtype=dtype, src=src, dst=dst, src_dtype=src_dtype,
+                       src_slots=_unpack_slots(src_slots, None if only is None else only["src"]),
+                       dst_slots=_unpack_slots(dst_slots, None if only is None else only["dst"]))
+    return sp
 
 
 class Schedule:
@@ -258,6 +347,168 @@ def build_schedule(plan: Plan, bucket_bytes: int) -> Schedule:
                     transfers.append(_transfer(isz, fkey, Endpoint("dst", dst), target, fpath,
                                                fentries))
         return Schedule(transfers, bucket_bytes)
+
+
+def build_share(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int) -> list[Transfer]:
+    """The transfers of `build_schedule(plan, bucket_bytes)` that send from or deliver to one
+    of `endpoints` (one process's share), in the same global key order, from the plan alone.
+
+    Both ends of a (sender, receiver, path) pair see that pair's moves in the same order (tensor
+    order, then move order), so they cut the same buckets with the same keys. A destination that
+    receives forwarded pieces also replays the network pairs into its forwarders to learn which
+    network bucket each forward follows. Time: linear in the moves of these endpoints (plus the
+    network moves into forwarders that forward to them), and one lookup per tensor.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    mine = frozenset(endpoints)
+    my_dst = {e.rank for e in mine if e.side == "dst"}
+    n_src = plan.topology.n_src
+    world = n_src + plan.topology.n_dst
+    isz = [spec.itemsize for spec in plan.specs]
+    forwards: dict[tuple, list] = defaultdict(list)
+    transfers: list[Transfer] = []
+
+    def cut(box, size, max_numel):
+        n = box.numel
+        if n <= max_numel:
+            return [(box, n * size, box)]
+        return [(c, c.numel * size, box) for c in box.chunks(max_numel)]
+
+    my_src = {e.rank for e in mine if e.side == "src"}
+
+    def digest(tp, size):
+        """Our pairs' pieces and the forwards we take part in, for one distinct tensor plan."""
+        max_numel = max(1, bucket_bytes // size)
+        pairs: dict[tuple, list] = defaultdict(list)
+        fwds = []
+        for m in tp.moves:
+            src, dst = m.src, m.dst
+            if src.side == "dst":
+                if src.rank in my_dst or dst in my_dst:
+                    fwds.append((src.rank, m.box, (dst, m.path)))
+            elif src.rank in my_src or dst in my_dst:
+                pairs[slot((src, dst, m.path))] += cut(m.box, size, max_numel)
+        return list(pairs.items()), fwds
+
+    def replay_digest(tp, size, fset):
+        """Network pieces into forwarders (not ours) from sources (not ours)."""
+        max_numel = max(1, bucket_bytes // size)
+        pairs: dict[tuple, list] = defaultdict(list)
+        for m in tp.moves:
+            if (m.dst in fset and m.path == NETWORK and m.src.side == "src"
+                    and m.src.rank not in my_src):   # our own sends are cut above
+                pairs[slot((m.src, m.dst, NETWORK), False)] += cut(m.box, size, max_numel)
+        return [(i, tuple([nb for _, nb, _ in pieces]), pieces) for i, pieces in pairs.items()]
+
+    pair_keys: list[tuple] = []          # (sender, receiver, path, ours)
+    pair_lists: list[list] = []
+    pair_slot: dict[tuple, int] = {}
+
+    def slot(pair, ours=True):
+        i = pair_slot.get(pair)
+        if i is None:
+            i = pair_slot[pair] = len(pair_keys)
+            pair_keys.append(pair + (ours,))
+            pair_lists.append([])
+        return i
+
+    def expand(digested, ti):
+        for i, pieces in digested:
+            pair_lists[i].extend([(nb, ti, box, parent) for box, nb, parent in pieces])
+
+    def emit(key, src, dst, path, entries):
+        transfers.append(_transfer(isz, key, src, dst, path,
+                                   [(Item(ti, box), nb) for nb, ti, box, _ in entries]))
+
+    with _gc_paused():
+        cache: dict = {}
+        forwarders: set = set()          # destination ranks, not ours, forwarding to ours
+        for ti, tp in enumerate(plan.tensor_plans):
+            ck = (id(tp), isz[ti])
+            d = cache.get(ck)
+            if d is None:
+                d = cache[ck] = digest(tp, isz[ti])
+                forwarders.update(f for f, _, _ in d[1] if f not in my_dst)
+            expand(d[0], ti)
+            for f, box, tgt in d[1]:
+                forwards[(f, ti)].append((box, tgt))
+        # Network pairs into forwarders that are not ours: only to key their forwards to us.
+        replay_sizes: dict[int, list] = {}
+        replay_marks: dict[int, list] = {}
+        if forwarders:
+            fset = frozenset(forwarders)
+            cache = {}
+            for ti, tp in enumerate(plan.tensor_plans):
+                ck = (id(tp), isz[ti])
+                d = cache.get(ck)
+                if d is None:
+                    d = cache[ck] = replay_digest(tp, isz[ti], fset)
+                for i, sizes, pieces in d:
+                    # Only the sizes decide the buckets; only pieces forwarded here are kept.
+                    lst = replay_sizes.setdefault(i, [])
+                    if (pair_keys[i][1], ti) in forwards:
+                        pos = len(lst)
+                        replay_marks.setdefault(i, []).extend(
+                            [(pos + j, (nb, ti, box, parent))
+                             for j, (box, nb, parent) in enumerate(pieces)])
+                    lst.extend(sizes)
+
+        def buckets(i, entries):
+            """(k, entries) of pair i: our pairs' buckets, or a replayed pair's buckets that
+            hold pieces forwarded to us (found from the piece sizes alone)."""
+            if pair_keys[i][3]:
+                return enumerate(_pack_sized(entries, bucket_bytes))
+            starts, cur = [], 0
+            for pos, nb in enumerate(replay_sizes.get(i, ())):
+                if cur and cur + nb > bucket_bytes:
+                    starts.append(pos)
+                    cur = 0
+                cur += nb
+            by_k: dict[int, list] = {}
+            for pos, entry in replay_marks.get(i, ()):
+                by_k.setdefault(bisect_right(starts, pos), []).append(entry)
+            return by_k.items()
+
+        for i, (src, dst, path, ours) in enumerate(pair_keys):
+            rot = (n_src + dst - (src.rank if src.side == "src" else n_src + src.rank)) % world
+            gsrc = src.rank if src.side == "src" else n_src + src.rank
+            forwarder_mine = dst in my_dst
+            for k, bucket in buckets(i, pair_lists[i]):
+                key = (k, _PATH_ORDER[path], rot, gsrc, dst, 0, -1)
+                if ours:
+                    emit(key, src, dst, path, bucket)
+                if path != NETWORK or not forwards:
+                    continue
+                fwd: dict[tuple, list] = defaultdict(list)
+                for entry in bucket:
+                    fs = forwards.get((dst, entry[1]))
+                    if fs is None:
+                        continue
+                    parent = entry[3]
+                    for box, target_path in fs:
+                        if box == parent and (forwarder_mine or target_path[0] in my_dst):
+                            fwd[target_path].append(entry)
+                for (target, fpath), fentries in sorted(fwd.items()):
+                    emit(forward_key(key, target), Endpoint("dst", dst), target, fpath,
+                         fentries)
+        transfers.sort(key=lambda t: t.key)
+        return transfers
+
+
+def _pack_sized(entries: list, bucket_bytes: int) -> list[list]:
+    """Greedy buckets of consecutive entries (nbytes, ...) of at most bucket_bytes."""
+    buckets, cur, cur_bytes = [], [], 0
+    for e in entries:
+        nb = e[0]
+        if cur and cur_bytes + nb > bucket_bytes:
+            buckets.append(cur)
+            cur, cur_bytes = [], 0
+        cur.append(e)
+        cur_bytes += nb
+    if cur:
+        buckets.append(cur)
+    return buckets
 
 
 def _pack(entries: list, bucket_bytes: int) -> list[list]:

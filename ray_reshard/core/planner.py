@@ -163,6 +163,15 @@ class TensorPlan:
             object.__setattr__(self, "_by_ep", idx)
         return idx.get(ep, ())
 
+    def __reduce__(self):
+        # Columns instead of one object per move: a plan is shipped to every process, and
+        # pickling hundreds of thousands of Move/Box objects dominated its cost.
+        senders, sidx, dsts, boxes, paths = _compact(self.moves)
+        offsets = tuple([b.offsets for b in boxes])
+        sizes = tuple([b.sizes for b in boxes])
+        return (_restore_plan, (self.shape, self.itemsize, senders, sidx, dsts, offsets, sizes,
+                                paths, self.stats, self.rotations))
+
 
 def _classes(boxes) -> list[tuple[Box, tuple[int, ...]]]:
     """Group ranks holding the same box; drop empty boxes. Deterministic order (by rank).
@@ -332,6 +341,21 @@ def _rename(canon: TensorPlan, sranks: tuple, dranks: tuple) -> TensorPlan:
         moves = tuple(map(_move, map(real.__getitem__, sidx), dsts, boxes, paths))
     tp = TensorPlan(canon.shape, canon.itemsize, moves, stats)
     object.__setattr__(tp, "_rotations", canon.rotations)
+    return tp
+
+
+def _box(offsets: tuple, sizes: tuple) -> Box:
+    b = _new(Box)
+    b.__dict__.update(offsets=offsets, sizes=sizes)
+    return b
+
+
+def _restore_plan(shape, itemsize, senders, sidx, dsts, offsets, sizes, paths, stats,
+                  rotations) -> TensorPlan:
+    moves = tuple(map(_move, map(senders.__getitem__, sidx), dsts, map(_box, offsets, sizes),
+                      paths))
+    tp = TensorPlan(shape, itemsize, moves, stats)
+    object.__setattr__(tp, "_rotations", rotations)
     return tp
 
 

@@ -14,7 +14,7 @@ import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
 from ..core.plan import DEFAULT_BUCKET_BYTES, Plan, PlanStats, plan as make_plan
-from ..core.planner import NETWORK, Endpoint
+from ..core.planner import Endpoint
 from ..core.spec import TensorSpec
 from ..errors import RefitError, TransportError
 from . import metrics, worker
@@ -287,25 +287,20 @@ class ReshardGroup:
         if key in self._installed:
             return
         deadline = time.monotonic() + (timeout or self.setup_timeout_s)
-        sched = p.schedule(self.bucket_bytes)
-        programs = {pid: [] for pid in range(len(self._procs))}
-        pairs: dict = {}                # (sender, receiver) on one node -> largest bucket
-        for t in sched.transfers:
-            s, d = self._ep_pid[t.src], self._ep_pid[Endpoint("dst", t.dst)]
-            programs[s].append(t)
-            if d != s:
-                programs[d].append(t)
-                if t.path != NETWORK and self.proc_nodes[s] == self.proc_nodes[d]:
-                    pairs[(s, d)] = max(pairs.get((s, d), 0), t.nbytes)
+        # The plan goes to the object store once; every process compiles its own share from
+        # it (nothing here grows with the number of processes but the calls themselves) and
+        # reports the largest bucket it sends each peer outside the network, to size rings.
+        plan_ref = ray.put(p)
+        refs = [a.__ray_call__.remote(worker.install, self.group_id, key, plan_ref, None,
+                                      self.strategy)
+                for pid, a in enumerate(self._procs)]
+        sends = self._collect(refs, max(deadline - time.monotonic(), 0.0), "install")
         if self.strategy == "reshard":
+            pairs = {(s, d): n for s, peers in enumerate(sends) for d, n in peers.items()
+                     if d != s and self.proc_nodes[s] == self.proc_nodes[d]}
             self._ensure_rings(pairs, deadline)
             for pair in pairs:
                 self._ring_users.setdefault(pair, set()).add(key)
-        plan_ref = ray.put(p)
-        refs = [a.__ray_call__.remote(worker.install, self.group_id, key, plan_ref,
-                                      programs[pid], self.strategy)
-                for pid, a in enumerate(self._procs)]
-        self._collect(refs, max(deadline - time.monotonic(), 0.0), "install")
         self._installed.add(key)
 
     def _ensure_rings(self, pairs: dict, deadline: float) -> None:

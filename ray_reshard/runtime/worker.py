@@ -15,10 +15,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..core.overlap import overlapping_pairs, overlaps_itself
-from ..core.pack import copy_direct, pack, region, unpack
-from ..core.plan import Plan, Transfer, parent_key
-from ..core.planner import NETWORK, Endpoint
+from ..core.plan import Plan
 from ..errors import GroupStateLost
+from . import executor
 from .transport import torch_pg
 
 _GROUPS: dict[str, "_WorkerGroup"] = {}
@@ -37,10 +36,10 @@ def _group(group_id: str) -> "_WorkerGroup":
 @dataclass
 class _Program:
     plan: Plan
-    transfers: list[Transfer]
     held: list[tuple[str, int, int]]      # (side, rank, tensor) shards this process holds
     strategy: str = "reshard"
     gb_steps: list = field(default_factory=list)
+    compiled: Any = None                  # reshard: this process's compiled Program
 
 
 @dataclass
@@ -111,23 +110,35 @@ def attach_rings(actor, group_id: str, out: dict, inn: dict, gpu: bool = False) 
                 rings[peer].prepare_recv(wg.device)
 
 
-def install(actor, group_id: str, key, plan: Plan, transfers: list, strategy: str) -> None:
-    """Cache this process's program for plan `key`."""
+def install(actor, group_id: str, key, plan: Plan, transfers: Optional[list],
+            strategy: str) -> dict:
+    """Compile and cache this process's program for plan `key` from the plan alone (or from
+    `transfers`, this process's share, when given). Returns {peer process: largest bucket this
+    process sends it outside the network}, for sizing shared-memory rings."""
     wg = _group(group_id)
+    plan.localize(wg.endpoints)
     held = []
     for ep in sorted(wg.endpoints, key=lambda e: (e.side, e.rank)):
+        layout_boxes: dict = {}
         for ti, spec in enumerate(plan.specs):
-            box = spec.layout(ep.side).box(ep.rank, spec.shape)
+            lay = spec.layout(ep.side)
+            k = (id(lay), spec.shape)
+            box = layout_boxes.get(k, False)
+            if box is False:
+                box = layout_boxes[k] = lay.box(ep.rank, spec.shape)
             if box is not None:
                 held.append((ep.side, ep.rank, ti))
-    prog = _Program(plan, transfers, held, strategy)
+    prog = _Program(plan, held, strategy)
+    strat = executor.STRATEGIES[strategy]
     if strategy == "gather_broadcast":
-        from .gather_broadcast import build_steps
-        prog.gb_steps = build_steps(plan, wg.ep_pid, wg.pid, wg.bucket_bytes)
-        for ranks in sorted({g for s in prog.gb_steps for g in s.groups}):
-            if wg.pid in ranks and len(ranks) > 1:
-                wg.pg.subgroup(ranks)
+        prog.gb_steps = strat.install(plan, wg.endpoints, wg.bucket_bytes, wg.ep_pid, wg.pg)
+        ring = {}
+    else:
+        prog.compiled = strat.install(plan, wg.endpoints, wg.bucket_bytes, wg.ep_pid,
+                                      transfers=transfers, device_type=wg.device.type)
+        ring = dict(prog.compiled.max_ring_bytes)
     wg.programs[key] = prog
+    return ring
 
 
 def _storage(actor, wg: _WorkerGroup) -> dict:
@@ -216,30 +227,6 @@ def prepare(actor, group_id: str, key) -> list[str]:
                           for ep in sorted(wg.endpoints, key=lambda ep: (ep.side != "src", ep.rank)))
         return [f"process {wg.pid} ({ranks}): looking up local tensors failed: "
                 f"{type(e).__name__}: {e}"]
-
-
-class _Pool:
-    """Staging buffers of one bucket each; counts the peak bytes held."""
-
-    def __init__(self, nbytes: int, device: torch.device):
-        self.nbytes, self.device = nbytes, device
-        self.free: list[torch.Tensor] = []
-        self.lent: dict = {}          # data_ptr of a lent slice -> its whole buffer
-        self.live = 0
-        self.peak = 0
-
-    def get(self, n: int) -> torch.Tensor:
-        buf = self.free.pop() if self.free else torch.empty(self.nbytes, dtype=torch.uint8,
-                                                            device=self.device)
-        self.live += 1
-        self.peak = max(self.peak, self.live)
-        # Not `slice._base`: inference mode (where the executor runs) tracks no view bases.
-        self.lent[buf.data_ptr()] = buf
-        return buf[:n]
-
-    def put(self, buf: torch.Tensor) -> None:
-        self.live -= 1
-        self.free.append(self.lent.pop(buf.data_ptr()))
 
 
 # Destinations may be parameters that require grad, or inference tensors (engines allocate
@@ -412,141 +399,10 @@ def uninstall(actor, group_id: str, keys: list, rings: list = ()) -> None:
             ring.close()
 
 
-# Network buckets whose items are all at least this large travel as one message per item:
-# each end sends from / receives into its own tensor when that region is contiguous (and, on
-# the sender, already of the wire dtype), and stages only the items where it is not.
-PER_ITEM_MIN_BYTES = 64 << 10
-
-
-def per_item(plan: Plan, t: Transfer) -> bool:
-    """Wire format of a network bucket, decided from the plan alone so both ends agree:
-    True = one message per item, False = one packed message for the whole bucket."""
-    return all(it.box.numel * plan.specs[it.tensor].itemsize >= PER_ITEM_MIN_BYTES
-               for it in t.items)
-
-
 def _execute(wg: _WorkerGroup, prog: _Program, views: dict, deadline: float) -> dict:
-    plan = prog.plan
-    lookup = lambda side, rank, ti: views[(side, rank, ti)]
-    pool = _Pool(wg.bucket_bytes, wg.device)
-    # Network messages in flight, oldest first: (work, transfer, is_recv, staging buffer or
-    # None, what to do once it completed or None).
-    pending: deque = deque()
-    window = 2                        # double buffering: at most two staging buckets live
-    max_in_flight = 8                 # in-place messages need no staging; still bounded
-    left: dict = {}                   # transfer key -> messages not yet complete
-    done: set = set()                 # keys of network transfers fully received
-    moved = {"network": 0, "domain": 0, "local": 0}
-    sent = recv = 0
-    clock = {"pack": 0.0, "unpack": 0.0, "wait": 0.0}
-    now = time.perf_counter
-
-    def complete():
-        work, t, is_recv, buf, after = pending.popleft()
-        t0 = now()
-        peer = wg.ep_pid[t.src] if is_recv else wg.ep_pid[Endpoint("dst", t.dst)]
-        torch_pg.wait(work, deadline, f"{'recv from' if is_recv else 'send to'} process {peer}")
-        t1 = now()
-        clock["wait"] += t1 - t0
-        if after is not None:
-            after()
-            clock["unpack"] += now() - t1
-        if buf is not None:
-            pool.put(buf)
-        left[t.key] -= 1
-        if left[t.key] == 0 and is_recv:
-            done.add(t.key)
-
-    def post(t, peer, sending: bool, tensor, buf=None, after=None):
-        work = wg.pg.isend(tensor, peer) if sending else wg.pg.irecv(tensor, peer)
-        pending.append((work, t, not sending, buf, after))
-
-    def staged_count():
-        return sum(1 for op in pending if op[3] is not None)
-
-    def network(t, peer, sending: bool):
-        if per_item(plan, t):
-            left[t.key] = len(t.items)
-            side, rank = (t.src.side, t.src.rank) if sending else ("dst", t.dst)
-            for it in t.items:
-                v = region(plan, side, rank, it, lookup(side, rank, it.tensor))
-                wire = plan.specs[it.tensor].dtype
-                if v.is_contiguous() and (not sending or v.dtype == wire):
-                    while len(pending) >= max_in_flight:
-                        complete()
-                    post(t, peer, sending, v.reshape(-1).view(torch.uint8))
-                    continue
-                # Strided region (or a dtype to convert): stage this item in a pool buffer.
-                while staged_count() >= window or len(pending) >= max_in_flight:
-                    complete()
-                n = it.box.numel * plan.specs[it.tensor].itemsize
-                buf = pool.get(n)
-                staged = buf.view(wire).view(it.box.sizes)
-                if sending:
-                    t0 = now()
-                    staged.copy_(v)
-                    clock["pack"] += now() - t0
-                    post(t, peer, True, buf, buf)
-                else:
-                    post(t, peer, False, buf, buf, after=lambda v=v, staged=staged: v.copy_(staged))
-            return
-        left[t.key] = 1
-        while staged_count() >= window or len(pending) >= max_in_flight:
-            complete()
-        buf = pool.get(t.nbytes)
-        if sending:
-            t0 = now()
-            pack(plan, t, lookup, out=buf)
-            clock["pack"] += now() - t0
-            post(t, peer, True, buf, buf)
-        else:
-            post(t, peer, False, buf, buf, after=lambda: unpack(plan, t, buf, lookup))
-
-    for t in prog.transfers:
-        dst_ep = Endpoint("dst", t.dst)
-        here_send, here_recv = t.src in wg.endpoints, dst_ep in wg.endpoints
-        if here_send and t.src.side == "dst":
-            # A forwarded piece must have arrived: complete in-flight messages up to the
-            # network bucket that delivered it (forwards sort after it).
-            parent = parent_key(t)
-            while parent not in done and pending:
-                complete()
-        if here_send and here_recv:
-            copy_direct(plan, t, lookup)
-            moved["local"] += t.nbytes
-            continue
-        peer = wg.ep_pid[dst_ep] if here_send else wg.ep_pid[t.src]
-        ring = (wg.rings_out if here_send else wg.rings_in).get(peer)
-        if t.path != NETWORK and ring is not None:
-            t0 = now()
-            if here_send:
-                slot = ring.send_slot(t.nbytes, deadline)
-                t1 = now()
-                pack(plan, t, lookup, out=slot)
-                ring.commit_send()
-                clock["pack"] += now() - t1
-            else:
-                slot = ring.recv_slot(deadline)
-                t1 = now()
-                unpack(plan, t, slot, lookup)
-                ring.release_recv()
-                clock["unpack"] += now() - t1
-                moved[t.path] += t.nbytes
-            clock["wait"] += t1 - t0
-            continue
-        network(t, peer, here_send)
-        if here_send:
-            sent += t.nbytes
-        else:
-            recv += t.nbytes
-            moved[t.path] += t.nbytes
-    while pending:
-        complete()
-    if wg.device.type == "cuda":
-        torch.cuda.synchronize(wg.device)
-    return {"bytes_by_path": moved, "sent_bytes": sent, "recv_bytes": recv,
-            "peak_staging_bytes": pool.peak * wg.bucket_bytes, "transfers": len(prog.transfers),
-            "clock": clock}
+    """Run this process's program (its strategy's execute) with the validated shard views
+    `views[(side, rank, tensor)]`; returns its statistics."""
+    return executor.STRATEGIES[prog.strategy].execute(wg, prog, views, deadline)
 
 
 def _abort_channels(wg: _WorkerGroup, reason: str) -> None:

@@ -29,7 +29,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 import ray_reshard as rr
 from ray_reshard import models
-from ray_reshard.bench.model_bytes import DEEPSEEK_V3, LLAMA3_70B, QWEN3_235B
+from ray_reshard.cli_args import DEEPSEEK_V3, LLAMA3_70B, QWEN3_235B
 from ray_reshard.sim import preset, simulate
 
 

@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from ray_reshard.core import Layout, Mesh, Replicate, Shard, TensorSpec, plan, shard_tensor
-from ray_reshard.core.planner import NETWORK
+from ray_reshard.core.plan import build_share
+from ray_reshard.core.planner import NETWORK, Endpoint
 from ray_reshard.simulate import simulate_refit
 
 EXAMPLES = int(os.environ.get("RR_PROP_EXAMPLES", "120"))
@@ -145,6 +146,15 @@ def check_schedule(p, bucket):
         if t.path == NETWORK:
             for it in t.items:
                 arrived[(t.dst, it.tensor)].append(it.box)
+    # Every process derives its own share, in the same order, from the plan alone: one endpoint
+    # per process, and a source and a destination rank sharing a process (colocated).
+    topo = p.topology
+    procs = [[Endpoint("src", r)] for r in range(topo.n_src)]
+    procs += [[Endpoint("dst", r)] for r in range(topo.n_dst)]
+    procs += [[Endpoint("src", r), Endpoint("dst", r)] for r in range(min(topo.n_src, topo.n_dst))]
+    for eps in procs:
+        want = [t for t in sched.transfers if t.src in eps or Endpoint("dst", t.dst) in eps]
+        assert build_share(p, eps, bucket) == want, eps
 
 
 def check_stats(p):

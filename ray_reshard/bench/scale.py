@@ -1,0 +1,267 @@
+"""The executor and the first refit at real-model scale (one process, no cluster).
+
+    python -m ray_reshard bench-replay [--model deepseek-v3] [--scale 8] [--repeat 3]
+    python -m ray_reshard bench-first-refit [--models deepseek-v3,qwen3-235b] [--wide 1024]
+
+replay: plan the real recipe (Megatron -> vLLM, 8 ranks per NVLink domain), compile the
+programs of the busiest destination rank and the busiest source rank (most network bytes), and
+run them through the real executor over a loopback channel (no bytes cross processes), timing
+process CPU time on one thread (wall time on a shared machine mostly measures the neighbours). The
+program keeps its real items, buckets and wire formats; only each item's extent is divided by
+`--scale` per dimension so its tensors fit in memory. Prints items, seconds, microseconds per
+item and the share of the NIC bound (busiest NIC's bytes at 50 GB/s: about 0.84 s for
+DeepSeek-V3) that this CPU time would take. Side by side: the same items through the per-item
+path the executor used before compiled programs (see `per_item_path`).
+
+first-refit: every step the driver and each process pay on the first refit of a spec set:
+specs, plan, `ray.put` of the plan (the driver ships it once), unpickling it and compiling the
+busiest processes' programs (what each actor does, in parallel), the bytes each actor receives,
+and the driver total; for the real recipes and a 1024 -> 1024 rank layout.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import pickle
+import time
+
+import torch
+
+from ..core.plan import Plan, build_share, plan as make_plan
+from ..core.planner import Endpoint
+from ..core.program import Part, Program, Step, compile_program, per_item_min_bytes
+from ..models import VLLM, Megatron, Recipe
+from ..runtime.executor import LoopbackChannel, Transports, default_window, run_program
+from ..cli_args import DEEPSEEK_V3, QWEN3_235B
+from .model_bytes import DSV3_PP16, QWEN3_PP8
+
+NIC_BYTES_PER_S = 50e9          # 400 Gb/s per GPU (DGX H100)
+BUCKET = 16 << 20
+RANKS_PER_DOMAIN = 8
+
+CASES = {
+    "deepseek-v3": ("DeepSeek-V3", DEEPSEEK_V3, [
+        (Megatron(tp=1, ep=16, etp=1, dp=16, **DSV3_PP16), VLLM(tp=32, dp=8)),
+        (Megatron(tp=1, ep=16, etp=1, dp=16, **DSV3_PP16), VLLM(tp=32, dp=8, ep=32)),
+    ]),
+    "qwen3-235b": ("Qwen3-235B-A22B", QWEN3_235B, [
+        (Megatron(tp=4, ep=16, etp=1, dp=4, **QWEN3_PP8), VLLM(tp=8, dp=16)),
+    ]),
+}
+# 1024 -> 1024 ranks: DeepSeek-V3 on PP16 x EP64 -> TP32 x DP32.
+WIDE = ("DeepSeek-V3 1024", DEEPSEEK_V3,
+        (Megatron(tp=1, ep=64, etp=1, dp=64, **DSV3_PP16), VLLM(tp=32, dp=32)))
+
+
+def domains(n: int, side: str) -> list:
+    return [(side, r // RANKS_PER_DOMAIN) for r in range(n)]
+
+
+def build(config, train, infer):
+    """Specs and plan of a recipe, with the CPU seconds of each."""
+    t0 = time.process_time()
+    specs = Recipe(config, train, infer, hf_experts="split").specs(torch.bfloat16)
+    t1 = time.process_time()
+    p = make_plan(specs, domains(train.world, "train"), domains(infer.world, "infer"))
+    st = p.stats
+    t2 = time.process_time()
+    return specs, p, st, t1 - t0, t2 - t1
+
+
+def busiest(p: Plan) -> tuple[Endpoint, Endpoint]:
+    d = max(p.recv_bytes_by_rank.items(), key=lambda kv: (kv[1], -kv[0]))[0]
+    s = max(p.send_bytes_by_rank.items(), key=lambda kv: (kv[1], -kv[0]))[0]
+    return Endpoint("dst", d), Endpoint("src", s)
+
+
+# ------------------------------------------------------------------------------- replay
+def _scale_part(part: Part, origin_shapes: dict, f: int) -> Part:
+    """The same items with every extent divided by f (at least 1), in shards scaled alike."""
+    slices, shapes, numels, offs, nbs = [], [], [], [], []
+    off = 0
+    for h, sl, w in zip(part.held, part.slices, part.wire):
+        lim = origin_shapes[h]
+        new = []
+        for s, n in zip(sl, lim):
+            a = min(s.start // f, n - 1)
+            b = max(a + 1, min(-(-s.stop // f), n))
+            new.append(slice(a, b))
+        shape = tuple(s.stop - s.start for s in new)
+        k = 1
+        for x in shape:
+            k *= x
+        nb = k * torch.empty((), dtype=w).element_size()
+        slices.append(tuple(new))
+        shapes.append(shape)
+        numels.append(k)
+        offs.append(off)
+        nbs.append(nb)
+        off += nb
+    return Part(list(part.held), slices, shapes, numels, list(part.wire), offs, nbs, off)
+
+
+def scaled_program(p: Plan, prog: Program, f: int) -> tuple[Program, dict]:
+    """`prog` with extents divided by f, and zero-filled shards to bind it to."""
+    shard_shapes, views = {}, {}
+    for h, (side, rank, ti) in enumerate(prog.held):
+        spec = p.specs[ti]
+        box = spec.layout(side).box(rank, spec.shape)
+        shape = tuple(max(1, -(-n // f)) for n in box.sizes)
+        shard_shapes[h] = shape
+        dtype = spec.source_dtype if side == "src" else spec.dtype
+        views[(side, rank, ti)] = torch.zeros(shape, dtype=dtype)
+    steps = []
+    for s in prog.steps:
+        send = _scale_part(s.send, shard_shapes, f) if s.send is not None else None
+        recv = _scale_part(s.recv, shard_shapes, f) if s.recv is not None else None
+        nbytes = (send or recv).nbytes
+        steps.append(Step(s.kind, s.key, s.path, s.peer, nbytes, s.per_item, s.after, send, recv))
+    return Program(list(prog.held), steps, prog.bucket_bytes), views
+
+
+def per_item_path(prog: Program, views: dict) -> float:
+    """Seconds for what the executor did per item before compiled programs, on the same items:
+    cut the region from the shard, view the bucket's bytes as it, copy (no batching, no cached
+    views; the box arithmetic it also did per item is left out, so this is a lower bound)."""
+    shard = [views[k] for k in prog.held]
+    bufs = {}
+    t0 = time.process_time()
+    for s in prog.steps:
+        for part, packing in ((s.send, True), (s.recv, False)):
+            if part is None:
+                continue
+            buf = bufs.get(part.nbytes)
+            if buf is None:
+                buf = bufs[part.nbytes] = torch.empty(part.nbytes, dtype=torch.uint8)
+            for h, sl, shape, w, off, nb in zip(part.held, part.slices, part.shapes, part.wire,
+                                                 part.offsets, part.item_bytes):
+                region = shard[h][sl]
+                wire = buf[off:off + nb].view(w).view(shape)
+                if packing:
+                    wire.copy_(region)
+                else:
+                    region.copy_(wire)
+    return time.process_time() - t0
+
+
+def replay(args) -> None:
+    torch.set_num_threads(1)         # CPU time below is one thread's work
+    title, config, layouts = CASES[args.model]
+    print(f"{title}: replay of the busiest ranks' compiled programs through the executor over a "
+          f"loopback channel ({args.bucket_mb} MiB buckets, {args.wire} wire format, "
+          f"extents / {args.scale} per dim)")
+    head = (f"{'layout':<40} {'rank':>6} {'items':>7} {'steps':>6} {'compile s':>9} "
+            f"{'bind s':>7} {'run cpu s':>9} {'wall s':>6} {'us/item':>7} {'NIC bound s':>11} {'share':>6} "
+            f"{'per-item path us/item':>21}")
+    print(head)
+    print("-" * len(head))
+    for train, infer in layouts:
+        specs, p, st, _, _ = build(config, train, infer)
+        bound_s = max(st.max_recv_bytes, st.max_send_bytes) / NIC_BYTES_PER_S
+        lay = f"{train} -> {infer}".replace("Megatron ", "").replace("vLLM ", "")
+        for ep in busiest(p):
+            gc.collect()
+            t0 = time.process_time()
+            share = build_share(p, [ep], args.bucket_mb << 20)
+            prog = compile_program(p, [ep], args.bucket_mb << 20, transfers=share,
+                                   per_item_bytes=per_item_min_bytes(args.wire))
+            t_compile = time.process_time() - t0
+            small, views = scaled_program(p, prog, args.scale)
+            tr = Transports(LoopbackChannel(), None, torch.device("cpu"),
+                            default_window(args.bucket_mb << 20))
+            deadline = time.monotonic() + 600
+            t0 = time.process_time()
+            small.bind(views)
+            t_bind = time.process_time() - t0
+            runs, walls = [], []
+            for _ in range(args.repeat):
+                t0, c0 = time.perf_counter(), time.process_time()
+                run_program(small, views, tr, deadline)
+                runs.append(time.process_time() - c0)
+                walls.append(time.perf_counter() - t0)
+            items = small.n_items
+            best = min(runs)
+            old = min(per_item_path(small, views) for _ in range(args.repeat)) / items * 1e6
+            print(f"{lay:<40} {str(ep):>6} {items:>7} {len(small.steps):>6} {t_compile:>9.2f} "
+                  f"{t_bind:>7.2f} {best:>9.3f} {min(walls):>6.2f} {best / items * 1e6:>7.2f} {bound_s:>11.2f} "
+                  f"{100 * best / bound_s:>5.1f}% {old:>21.1f}", flush=True)
+            del small, views, prog, share
+        del specs, p
+
+
+# --------------------------------------------------------------------------- first refit
+def first_refit(args) -> None:
+    cases = []
+    for key in args.models.split(","):
+        title, config, layouts = CASES[key]
+        cases.append((title, config, layouts[0]))
+    if args.wide:
+        cases.append(WIDE)
+    head = (f"{'model':<18} {'ranks':>11} {'tensors':>7} {'specs s':>7} {'plan s':>6} "
+            f"{'put s':>6} {'driver s':>8} {'shipped MB':>10} {'actor load s':>12} "
+            f"{'actor compile s (dst/src)':>25} {'old schedule s':>14}")
+    torch.set_num_threads(1)
+    print(f"First refit of a spec set, {args.bucket_mb} MiB buckets, {RANKS_PER_DOMAIN} ranks per "
+          f"domain, CPU seconds. driver = specs + plan + pickling the plan once (ray.put); every "
+          f"actor unpickles that one plan and compiles its own share, in parallel (the busiest "
+          f"destination and source shown).")
+    print(head)
+    print("-" * len(head))
+    for title, config, (train, infer) in cases:
+        gc.collect()
+        specs, p, st, t_specs, t_plan = build(config, train, infer)
+        t0 = time.process_time()
+        blob = pickle.dumps(p, protocol=5)
+        t_put = time.process_time() - t0
+        t0 = time.process_time()
+        q = pickle.loads(blob)
+        t_load = time.process_time() - t0
+        compile_s = []
+        for ep in busiest(p):
+            q = pickle.loads(blob)
+            t0 = time.process_time()
+            q.localize([ep])
+            compile_program(q, [ep], args.bucket_mb << 20)
+            compile_s.append(time.process_time() - t0)
+        del q
+        old = ""
+        if args.old_schedule:
+            gc.collect()
+            t0 = time.process_time()
+            p.schedule(args.bucket_mb << 20)
+            old = f"{time.process_time() - t0:.1f}"
+            p.__dict__.pop("_schedules", None)
+        ranks = f"{train.world}->{infer.world}"
+        print(f"{title:<18} {ranks:>11} {len(specs):>7} {t_specs:>7.2f} {t_plan:>6.2f} "
+              f"{t_put:>6.2f} {t_specs + t_plan + t_put:>8.2f} {len(blob) / 1e6:>10.1f} "
+              f"{t_load:>12.2f} {compile_s[0]:>12.2f} / {compile_s[1]:<10.2f} {old:>14}",
+              flush=True)
+        del specs, p, blob
+
+
+def main(argv=None, cmd: str = "replay") -> int:
+    ap = argparse.ArgumentParser(prog=f"ray_reshard bench-{cmd}",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--bucket-mb", type=int, default=BUCKET >> 20)
+    if cmd == "replay":
+        ap.add_argument("--model", default="deepseek-v3", choices=sorted(CASES))
+        ap.add_argument("--scale", type=int, default=8,
+                        help="divide every item's extent by this per dimension")
+        ap.add_argument("--repeat", type=int, default=3)
+        ap.add_argument("--wire", default="cuda", choices=("cuda", "cpu"),
+                        help="wire format of that device type (cuda: packed buckets; cpu: "
+                             "large items as their own messages)")
+        args = ap.parse_args(argv)
+        replay(args)
+    else:
+        ap.add_argument("--models", default="deepseek-v3,qwen3-235b")
+        ap.add_argument("--wide", type=int, default=1, help="also the 1024 -> 1024 layout (0: no)")
+        ap.add_argument("--old-schedule", action="store_true",
+                        help="also time the global Plan.schedule() the driver built before")
+        args = ap.parse_args(argv)
+        first_refit(args)
+    return 0
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,319 @@
+"""Compiled per-process programs: one process's share of a refit as flat, precomputed steps.
+
+`compile_program(plan, endpoints, ...)` turns the transfers a process takes part in (see
+`build_share`: every process derives them, in the shared global order, from the plan alone)
+into `Step`s. Each step holds, for the side(s) this process runs, a `Part`: per item the local
+shard it lives in (an index into `Program.held`), the slices of the item inside that shard,
+its shape, element count and wire dtype. Nothing in a step refers to the plan any more.
+
+Wire format (the same in the simulator and the runtime): a bucket's bytes are its items back
+to back in the transfer's item order, each item row-major in the destination dtype (items are
+sorted by element size, largest first, so every item starts aligned to its element size). A
+network bucket whose items are all at least `PER_ITEM_MIN_BYTES` travels as one message per
+item (the same bytes cut at item boundaries), so each end can send from or receive into its
+own contiguous tensor regions in place; any other bucket travels as one message.
+
+At run time a `Part` is bound to the process's shard views: region views are built once and
+kept while the shard's storage stays the same (same data pointer, shape, strides and dtype),
+and rebuilt only for the parts whose shards changed (a trainer that rebinds `param.data` is
+seen at the next refit). Adjacent contiguous regions of one storage are merged into one copy.
+Packing and unpacking copy all regions of a part with one `torch._foreach_copy_` call per
+dtype run, against wire views that are cached per staging buffer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+
+from .plan import Plan, Transfer, build_share, parent_key
+from .planner import NETWORK, Endpoint
+
+SEND, RECV, COPY = "send", "recv", "copy"
+
+# Network buckets whose items are all at least this large travel as one message per item, on
+# CPU tensors (a message costs less than copying such an item into a staging buffer). On GPUs a
+# device copy costs far less than a message, so buckets always travel packed (threshold None).
+PER_ITEM_MIN_BYTES = 64 << 10
+
+
+def per_item_min_bytes(device_type: str):
+    """The per-item threshold for a group's device type (the same on both ends of a group)."""
+    return PER_ITEM_MIN_BYTES if device_type == "cpu" else None
+
+_WIRE_CACHE = 4          # staging buffers per part whose wire views are kept
+
+
+def per_item(plan: Plan, t: Transfer, min_bytes: Optional[int] = PER_ITEM_MIN_BYTES) -> bool:
+    """Wire format of a network bucket, decided from the plan alone so both ends agree:
+    True = one message per item, False = one packed message for the whole bucket."""
+    return min_bytes is not None and t.path == NETWORK and all(
+        it.box.numel * plan.specs[it.tensor].itemsize >= min_bytes for it in t.items)
+
+
+class Part:
+    """The items of one transfer on one side, resolved against this process's shards."""
+
+    __slots__ = ("held", "slices", "shapes", "numels", "wire", "offsets", "nbytes", "item_bytes",
+                 "_regions", "_runs", "_wires", "_msgs")
+
+    def __init__(self, held, slices, shapes, numels, wire, offsets, item_bytes, nbytes):
+        self.held = held              # per item: index into Program.held
+        self.slices = slices          # per item: slices of the item inside its shard
+        self.shapes = shapes          # per item: the item's shape
+        self.numels = numels
+        self.wire = wire              # per item: wire (destination) dtype
+        self.offsets = offsets        # per item: byte offset in the bucket
+        self.item_bytes = item_bytes
+        self.nbytes = nbytes
+        self._regions = None          # per item: region view in the local shard (bound)
+        self._runs = None             # merged copy runs (see _bind)
+        self._wires: dict = {}        # staging buffer data pointer -> wire views of the runs
+        self._msgs = None             # per item: bytes of the region itself, or None (staged)
+
+    def __len__(self) -> int:
+        return len(self.held)
+
+    # ------------------------------------------------------------------ binding
+    def unbind(self) -> None:
+        self._regions = self._runs = self._msgs = None
+        self._wires = {}
+
+    def bind(self, views: Sequence[torch.Tensor]) -> None:
+        """Resolve every item's region in `views` (indexed like Program.held) and merge runs."""
+        regions = [views[h][s] for h, s in zip(self.held, self.slices)]
+        # A run: (first item, last item + 1, wire dtype, local region of the whole run, flat).
+        runs = []
+        for i, r in enumerate(regions):
+            flat = r.is_contiguous()
+            if flat and runs:
+                a, b, wd, prev, pflat = runs[-1]
+                if (pflat and wd == self.wire[i] and prev.dtype == r.dtype
+                        and prev.device == r.device
+                        and prev.untyped_storage().data_ptr() == r.untyped_storage().data_ptr()
+                        and prev.storage_offset() + prev.numel() == r.storage_offset()):
+                    merged = torch.as_strided(prev, (prev.numel() + r.numel(),), (1,),
+                                              prev.storage_offset())
+                    runs[-1] = (a, i + 1, wd, merged, True)
+                    continue
+            runs.append((i, i + 1, self.wire[i], r.reshape(-1) if flat else r, flat))
+        self._regions = regions
+        self._runs = runs
+        self._wires = {}
+        self._msgs = None
+
+    @property
+    def n_runs(self) -> int:
+        """Copies per pack/unpack once bound (adjacent contiguous items merged)."""
+        return len(self._runs)
+
+    @property
+    def bound(self) -> bool:
+        return self._runs is not None
+
+    def region(self, i: int) -> torch.Tensor:
+        return self._regions[i]
+
+    # ------------------------------------------------------------------ wire views
+    def _wire_views(self, buf: torch.Tensor, cache: bool) -> list:
+        key = buf.data_ptr()
+        got = self._wires.get(key) if cache else None
+        if got is not None:
+            return got
+        out = []
+        for a, b, wd, region, flat in self._runs:
+            start = self.offsets[a]
+            end = self.offsets[b - 1] + self.item_bytes[b - 1]
+            w = buf[start:end].view(wd)
+            out.append(w if flat else w.view(self.shapes[a]))
+        if cache:
+            if len(self._wires) >= _WIRE_CACHE:
+                self._wires.pop(next(iter(self._wires)))
+            self._wires[key] = out
+        return out
+
+    def pack(self, buf: torch.Tensor, cache: bool = True) -> None:
+        """Copy the items from the local shards into `buf` (uint8, the bucket's bytes)."""
+        torch._foreach_copy_(self._wire_views(buf, cache), [r[3] for r in self._runs])
+
+    def unpack(self, buf: torch.Tensor, cache: bool = True) -> None:
+        """Copy a bucket's bytes from `buf` into the local shards."""
+        torch._foreach_copy_([r[3] for r in self._runs], self._wire_views(buf, cache))
+
+    def messages(self, sending: bool) -> list:
+        """Per item (one message each): the region's own bytes when it is contiguous (and, to
+        send, already in the wire dtype), else None: that item goes through a staging buffer."""
+        if self._msgs is None:
+            self._msgs = [r.reshape(-1).view(torch.uint8)
+                          if r.is_contiguous() and (not sending or r.dtype == w) else None
+                          for r, w in zip(self._regions, self.wire)]
+        return self._msgs
+
+    def pack_item(self, i: int, buf: torch.Tensor) -> None:
+        buf.view(self.wire[i]).view(self.shapes[i]).copy_(self._regions[i])
+
+    def unpack_item(self, i: int, buf: torch.Tensor) -> None:
+        self._regions[i].copy_(buf.view(self.wire[i]).view(self.shapes[i]))
+
+    def copy_from(self, other: "Part") -> None:
+        """Local copy: this part's regions take `other`'s (same items, same order)."""
+        torch._foreach_copy_(self._regions, other._regions)
+
+
+@dataclass
+class Step:
+    """One transfer as this process runs it."""
+
+    kind: str                     # SEND, RECV or COPY (both ends here)
+    key: tuple                    # global order key
+    path: str
+    peer: int                     # the other process (-1 for COPY)
+    nbytes: int
+    per_item: bool                # network: one message per item
+    after: Optional[tuple]        # sending a forward: key of the network bucket that brought it
+    send: Optional[Part] = None   # the packing side (SEND, COPY)
+    recv: Optional[Part] = None   # the unpacking side (RECV, COPY)
+
+
+@dataclass
+class Program:
+    """One process's compiled share of a refit plan."""
+
+    held: list                    # (side, rank, tensor index) of every local shard used
+    steps: list
+    bucket_bytes: int
+    max_ring_bytes: dict = field(default_factory=dict)   # peer -> largest non-network bucket sent
+    staging: Any = None           # the executor's staging buffers (kept across refits)
+    _sigs: Optional[list] = None
+    _users: Optional[list] = None  # per held index: the parts reading or writing that shard
+
+    @property
+    def n_items(self) -> int:
+        return sum(len(p) for s in self.steps for p in (s.send, s.recv) if p is not None)
+
+    def parts(self):
+        for s in self.steps:
+            if s.send is not None:
+                yield s.send
+            if s.recv is not None:
+                yield s.recv
+
+    def bind(self, lookup) -> int:
+        """Bind every part to the shard views `lookup[(side, rank, tensor)]`; only the parts
+        whose shards changed storage, shape, strides or dtype since the last bind are rebuilt.
+        Returns how many parts were (re)built."""
+        views = [lookup[k] for k in self.held]
+        # Shapes, dtypes and devices are validated before every refit: where the view starts
+        # and how it is laid out tell whether the regions cut from it still hold.
+        sigs = [(v.data_ptr(), v.stride()) for v in views]
+        if self._users is None:
+            self._users = [[] for _ in self.held]
+            for p in self.parts():
+                for h in set(p.held):
+                    self._users[h].append(p)
+        if self._sigs is None:
+            dirty = list(self.parts())
+        else:
+            seen, dirty = set(), []
+            for h, (old, new) in enumerate(zip(self._sigs, sigs)):
+                if old != new:
+                    for p in self._users[h]:
+                        if id(p) not in seen:
+                            seen.add(id(p))
+                            dirty.append(p)
+        for p in dirty:
+            p.bind(views)
+        self._sigs = sigs
+        return len(dirty)
+
+    def unbind(self) -> None:
+        """Drop every bound view (a later bind rebuilds them)."""
+        for p in self.parts():
+            p.unbind()
+        self._sigs = None
+
+
+def _part(plan: Plan, t: Transfer, side: str, rank: int, held_index: dict, held: list,
+          info: dict) -> Part:
+    hs, sl, shapes, numels, wire, offs, nbs = [], [], [], [], [], [], []
+    off = 0
+    for it in t.items:
+        ti = it.tensor
+        k = (side, rank, ti)
+        got = info.get(k)
+        if got is None:
+            spec = plan.specs[ti]
+            h = held_index[k] = len(held)
+            held.append(k)
+            got = info[k] = (h, spec.layout(side).box(rank, spec.shape).offsets, spec.dtype,
+                             spec.itemsize)
+        h, origin, dtype, size = got
+        box = it.box
+        sizes = box.sizes
+        hs.append(h)
+        sl.append(tuple([slice(a - o, a - o + n) for a, o, n in zip(box.offsets, origin, sizes)]))
+        shapes.append(sizes)
+        n = 1
+        for x in sizes:
+            n *= x
+        numels.append(n)
+        wire.append(dtype)
+        offs.append(off)
+        nb = n * size
+        nbs.append(nb)
+        off += nb
+    return Part(hs, sl, shapes, numels, wire, offs, nbs, off)
+
+
+def compile_program(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int,
+                    proc_of: Optional[dict] = None,
+                    transfers: Optional[Sequence[Transfer]] = None,
+                    per_item_bytes: Optional[int] = PER_ITEM_MIN_BYTES) -> Program:
+    """Compile the share of `plan` that the process holding `endpoints` runs.
+
+    `proc_of` maps every endpoint to its process (default: each endpoint its own process,
+    numbered sources first). `transfers` may pass the share when the caller has it already.
+    `per_item_bytes` is the wire format's per-item threshold (see `per_item_min_bytes`); every
+    process of a group must use the same.
+    """
+    mine = frozenset(endpoints)
+    if proc_of is None:
+        n_src = plan.topology.n_src
+        proc_of = _Procs(n_src)
+    if transfers is None:
+        transfers = build_share(plan, mine, bucket_bytes)
+    held: list = []
+    held_index: dict = {}
+    info: dict = {}              # (side, rank, tensor) -> (held index, origin, dtype, itemsize)
+    steps = []
+    ring: dict = {}
+    for t in transfers:
+        dst_ep = Endpoint("dst", t.dst)
+        here_send, here_recv = t.src in mine, dst_ep in mine
+        after = parent_key(t) if (here_send and t.src.side == "dst") else None
+        send = _part(plan, t, t.src.side, t.src.rank, held_index, held, info) if here_send else None
+        recv = _part(plan, t, "dst", t.dst, held_index, held, info) if here_recv else None
+        if here_send and here_recv:
+            kind, peer = COPY, -1
+        elif here_send:
+            kind, peer = SEND, proc_of[dst_ep]
+            if t.path != NETWORK:
+                ring[peer] = max(ring.get(peer, 0), t.nbytes)
+        else:
+            kind, peer = RECV, proc_of[t.src]
+        part = send if send is not None else recv
+        whole = (per_item_bytes is not None and t.path == NETWORK
+                 and min(part.item_bytes) >= per_item_bytes)
+        steps.append(Step(kind, t.key, t.path, peer, t.nbytes, whole, after, send, recv))
+    return Program(held, steps, bucket_bytes, ring)
+
+
+class _Procs:
+    """Default process numbering: source rank r is process r, destination rank r is n_src + r."""
+
+    def __init__(self, n_src: int):
+        self.n_src = n_src
+
+    def __getitem__(self, ep: Endpoint) -> int:
+        return ep.rank if ep.side == "src" else self.n_src + ep.rank

@@ -1,0 +1,313 @@
+"""Running one process's compiled program (see core/program.py) over its channels.
+
+Channels. Every transport is reached through one small interface, `Channel`:
+`post(peer, tensor, sending)` starts moving a tensor's bytes to or from a peer and returns a
+handle, `complete(handle, deadline, what)` waits for it, `abort(reason)` fails every peer
+blocked on this process. `NetChannel` is the group's process group (gloo or NCCL: isend/irecv),
+`RingChannel` the shared-memory or CUDA IPC rings to processes on the node (a ring's slot is
+packed in place, so `post` on a ring takes a fill/drain function instead of a tensor and finishes
+at once), `LoopbackChannel` moves nothing (benchmarks replay one process's CPU work with it).
+
+Order. Steps run in the program's order, which is the global key order every process agrees on
+(see `Schedule`): a posted transfer completes once both of its ends posted it, so the earliest
+unfinished transfer can always finish. Network messages stay in flight (up to `window` staged
+buckets and `4 * window` messages); domain buckets over a ring and local copies run at once. A
+forwarded piece is sent only once the network bucket that brought it in has completed; it sorts
+one round behind it, so the next round's network receives are already in flight meanwhile.
+
+Strategies (`reshard`, `gather_broadcast`) are objects with `install` (compile this process's
+program) and `execute` (run it), looked up by name in `STRATEGIES`.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..core.plan import Plan
+from ..core.planner import NETWORK
+from ..core.program import COPY, SEND, Program, compile_program, per_item_min_bytes
+from .transport import torch_pg
+
+# Staging memory a process may hold for network buckets in flight, by default.
+DEFAULT_STAGING_BYTES = 128 << 20
+MAX_WINDOW = 16
+
+
+def default_window(bucket_bytes: int, staging_bytes: int = DEFAULT_STAGING_BYTES) -> int:
+    """Staged buckets in flight: as many as fit in `staging_bytes`, at least 2 (double
+    buffering), at most MAX_WINDOW."""
+    return max(2, min(MAX_WINDOW, staging_bytes // max(1, bucket_bytes)))
+
+
+class Channel:
+    """post / complete / abort: the one interface the executor uses for every transport."""
+
+    def post(self, peer: int, tensor: torch.Tensor, sending: bool) -> Any:
+        raise NotImplementedError
+
+    def complete(self, handle: Any, deadline: float, what: str) -> None:
+        raise NotImplementedError
+
+    def abort(self, reason: str) -> None:
+        pass
+
+
+class NetChannel(Channel):
+    """The group's process group: one isend/irecv per message."""
+
+    def __init__(self, pg):
+        self.pg = pg
+
+    def post(self, peer, tensor, sending):
+        return self.pg.isend(tensor, peer) if sending else self.pg.irecv(tensor, peer)
+
+    def complete(self, handle, deadline, what):
+        torch_pg.wait(handle, deadline, what)
+
+    def abort(self, reason):
+        self.pg.abort()
+
+
+class RingChannel(Channel):
+    """Shared-memory / CUDA IPC rings to processes on this node. A posted bucket is packed into
+    (or unpacked from) the ring's slot in place: `tensor` is a function of the slot."""
+
+    def __init__(self, rings_out: dict, rings_in: dict):
+        self.rings_out, self.rings_in = rings_out, rings_in
+
+    def has(self, peer: int, sending: bool) -> bool:
+        return peer in (self.rings_out if sending else self.rings_in)
+
+    def post(self, peer, tensor, sending, nbytes: int = 0, deadline: float = 0.0):
+        if sending:
+            ring = self.rings_out[peer]
+            slot = ring.send_slot(nbytes, deadline)
+            tensor(slot)
+            ring.commit_send()
+        else:
+            ring = self.rings_in[peer]
+            slot = ring.recv_slot(deadline)
+            tensor(slot)
+            ring.release_recv()
+        return None
+
+    def complete(self, handle, deadline, what):
+        pass
+
+    def abort(self, reason):
+        for ring in [*self.rings_out.values(), *self.rings_in.values()]:
+            try:
+                ring.abort(reason[:200])
+            except Exception:
+                pass
+
+
+class LoopbackChannel(Channel):
+    """Moves nothing: every message completes at once (a received buffer keeps its bytes)."""
+
+    def post(self, peer, tensor, sending):
+        self.messages = getattr(self, "messages", 0) + 1
+        return None
+
+    def complete(self, handle, deadline, what):
+        pass
+
+
+class Staging:
+    """`window` staging buffers used in rotation (kept across refits, so the wire views cached
+    on them stay valid); a buffer is reused only once the message that held it completed."""
+
+    def __init__(self, window: int, nbytes: int, device: torch.device):
+        self.window, self.nbytes, self.device = window, nbytes, device
+        self.buffers: list = []
+        self.busy: list = []
+        self.next = 0
+
+    def acquire(self, wait_one: Callable[[], None]) -> int:
+        i = self.next
+        self.next = (i + 1) % self.window
+        if i == len(self.buffers):
+            self.buffers.append(torch.empty(self.nbytes, dtype=torch.uint8, device=self.device))
+            self.busy.append(False)
+        while self.busy[i]:
+            wait_one()
+        self.busy[i] = True
+        return i
+
+    def release(self, i: int) -> None:
+        self.busy[i] = False
+
+
+@dataclass
+class Transports:
+    """What a process's program runs over."""
+
+    net: Channel
+    rings: Optional[RingChannel] = None
+    device: torch.device = torch.device("cpu")
+    window: int = 2
+
+
+def run_program(prog: Program, views: dict, tr: Transports, deadline: float) -> dict:
+    """Run `prog` with the validated shard views `views[(side, rank, tensor)]`; returns stats."""
+    now = time.perf_counter
+    t_bind = now()
+    rebuilt = prog.bind(views)
+    t_bind = now() - t_bind
+    net, rings = tr.net, tr.rings
+    window = tr.window
+    max_in_flight = 4 * window
+    staging = getattr(prog, "staging", None)
+    if staging is None or staging.window != window or staging.device != tr.device:
+        size = max([s.nbytes for s in prog.steps if s.kind != COPY], default=1)
+        staging = prog.staging = Staging(window, min(size, prog.bucket_bytes), tr.device)
+    staging.next = 0             # same buffer per step every refit: cached wire views hold
+    pending: deque = deque()     # (handle, step, is_recv, staging index or -1, after)
+    left: dict = {}              # key -> messages of a network step not yet complete
+    done: set = set()            # keys of network receives fully complete
+    moved = {"network": 0, "domain": 0, "local": 0}
+    sent = recv = 0
+    clock = {"pack": 0.0, "unpack": 0.0, "wait": 0.0, "bind": t_bind}
+    peak_staged = [0, 0]         # now, peak
+
+    def wait_one():
+        handle, s, is_recv, si, after = pending.popleft()
+        t0 = now()
+        net.complete(handle, deadline, f"{'recv from' if is_recv else 'send to'} process {s.peer}")
+        t1 = now()
+        clock["wait"] += t1 - t0
+        if after is not None:
+            after()
+            clock["unpack"] += now() - t1
+        if si >= 0:
+            staging.release(si)
+            peak_staged[0] -= 1
+        n = left[s.key] - 1
+        left[s.key] = n
+        if n == 0 and is_recv:
+            done.add(s.key)
+
+    def stage(nbytes):
+        while len(pending) >= max_in_flight:
+            wait_one()
+        si = staging.acquire(wait_one)
+        peak_staged[0] += 1
+        peak_staged[1] = max(peak_staged[1], peak_staged[0])
+        return si, staging.buffers[si][:nbytes]
+
+    def post(s, tensor, sending, si=-1, after=None):
+        pending.append((net.post(s.peer, tensor, sending), s, not sending, si, after))
+
+    for s in prog.steps:
+        kind = s.kind
+        if kind == COPY:
+            t0 = now()
+            s.recv.copy_from(s.send)
+            clock["unpack"] += now() - t0
+            moved["local"] += s.nbytes
+            continue
+        sending = kind == SEND
+        if s.after is not None:
+            # A forwarded piece must have arrived: complete messages up to its network bucket.
+            while s.after not in done and pending:
+                wait_one()
+        if s.path != NETWORK and rings is not None and rings.has(s.peer, sending):
+            t0 = now()
+            if sending:
+                rings.post(s.peer, s.send.pack, True, s.nbytes, deadline)
+                clock["pack"] += now() - t0
+            else:
+                rings.post(s.peer, s.recv.unpack, False, 0, deadline)
+                clock["unpack"] += now() - t0
+                moved[s.path] += s.nbytes
+            continue
+        part = s.send if sending else s.recv
+        if s.per_item:
+            left[s.key] = len(part)
+            for i, msg in enumerate(part.messages(sending)):
+                if msg is not None:           # the region itself travels
+                    while len(pending) >= max_in_flight:
+                        wait_one()
+                    post(s, msg, sending)
+                    continue
+                si, buf = stage(part.item_bytes[i])
+                if sending:
+                    t0 = now()
+                    part.pack_item(i, buf)
+                    clock["pack"] += now() - t0
+                    post(s, buf, True, si)
+                else:
+                    post(s, buf, False, si, after=lambda i=i, buf=buf, part=part:
+                         part.unpack_item(i, buf))
+        else:
+            left[s.key] = 1
+            si, buf = stage(s.nbytes)
+            if sending:
+                t0 = now()
+                part.pack(buf)
+                clock["pack"] += now() - t0
+                post(s, buf, True, si)
+            else:
+                post(s, buf, False, si, after=lambda buf=buf, part=part: part.unpack(buf))
+        if sending:
+            sent += s.nbytes
+        else:
+            recv += s.nbytes
+            moved[s.path] += s.nbytes
+    while pending:
+        wait_one()
+    if tr.device.type == "cuda":
+        torch.cuda.synchronize(tr.device)
+    return {"bytes_by_path": moved, "sent_bytes": sent, "recv_bytes": recv,
+            "peak_staging_bytes": peak_staged[1] * staging.nbytes, "transfers": len(prog.steps),
+            "parts_rebuilt": rebuilt, "clock": clock}
+
+
+def transports(wg, window: Optional[int] = None) -> Transports:
+    """The channels of a process's group membership (process group, rings, device)."""
+    return Transports(NetChannel(wg.pg), RingChannel(wg.rings_out, wg.rings_in), wg.device,
+                      window or default_window(wg.bucket_bytes))
+
+
+# ---------------------------------------------------------------------------- strategies
+class Reshard:
+    """Point-to-point buckets of exactly the needed bytes (the planned refit)."""
+
+    name = "reshard"
+
+    def install(self, plan: Plan, endpoints, bucket_bytes: int, proc_of: dict, pg=None,
+                transfers=None, device_type: str = "cpu") -> Program:
+        return compile_program(plan, endpoints, bucket_bytes, proc_of, transfers,
+                               per_item_min_bytes(device_type))
+
+    def execute(self, wg, prog, views: dict, deadline: float) -> dict:
+        return run_program(prog.compiled, views, transports(wg), deadline)
+
+
+class GatherBroadcast:
+    """The baseline: all-gather each tensor on the sources, broadcast it whole."""
+
+    name = "gather_broadcast"
+
+    def install(self, plan: Plan, endpoints, bucket_bytes: int, proc_of: dict, pg=None,
+                transfers=None, device_type: str = "cpu"):
+        from .gather_broadcast import build_steps
+        me = proc_of[next(iter(endpoints))]
+        steps = build_steps(plan, proc_of, me, bucket_bytes)
+        if pg is not None:
+            # Every member creates the same sub-groups in the same order.
+            for ranks in sorted({g for s in steps for g in s.groups}):
+                if me in ranks and len(ranks) > 1:
+                    pg.subgroup(ranks)
+        return steps
+
+    def execute(self, wg, prog, views: dict, deadline: float) -> dict:
+        from .gather_broadcast import execute
+        return execute(wg, prog, views, deadline)
+
+
+STRATEGIES = {s.name: s for s in (Reshard(), GatherBroadcast())}
