@@ -229,7 +229,7 @@ class Refit:
 
     def plan(self):
         from .core.plan import plan
-        from .models.recipe import gc_paused
+        from .core.plan import gc_paused
 
         with gc_paused():
             return plan(self.specs, self.src_domains, self.dst_domains)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import gc
-import pickle
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -204,12 +203,10 @@ class Plan:
         return state
 
     def __reduce__(self):
-        # Pickled apart, with the cyclic collector paused: a plan is hundreds of thousands of
-        # small objects, and collections triggered while the driver pickles them cost more
-        # than the pickling itself.
-        with _gc_paused():
-            blob = pickle.dumps(self.__getstate__(), protocol=pickle.HIGHEST_PROTOCOL)
-        return (_load_plan, (blob,))
+        # The state goes to the caller's pickler (Ray's cloudpickle ships classes defined in
+        # a driver script or test module by value; a plain inner pickle would not). Callers
+        # shipping a large plan pause the cyclic collector around it (`gc_paused`).
+        return (_load_plan, (self.__getstate__(),))
 
     def __setstate__(self, state):
         # Specs are unpacked on first use (all ranks' slots) or by localize() (this process's).
@@ -224,9 +221,7 @@ class Plan:
         return cache[bucket_bytes]
 
 
-def _load_plan(blob: bytes) -> "Plan":
-    # Not paused here: the objects loaded would only be scanned by the collections that follow.
-    state = pickle.loads(blob)
+def _load_plan(state: dict) -> "Plan":
     p = Plan.__new__(Plan)
     p.__setstate__(state)
     return p
@@ -313,7 +308,7 @@ def build_schedule(plan: Plan, bucket_bytes: int) -> Schedule:
     # (forwarder dst rank, tensor, box of the network move) -> [(target dst rank, path)]
     forwards: dict[tuple, list[tuple[int, str]]] = defaultdict(list)
     transfers: list[Transfer] = []
-    with _gc_paused():
+    with gc_paused():
         for ti, tp in enumerate(plan.tensor_plans):
             size = isz[ti]
             max_numel = max(1, bucket_bytes // size)
@@ -421,7 +416,7 @@ def build_share(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int) ->
         transfers.append(_transfer(isz, key, src, dst, path,
                                    [(Item(ti, box), nb) for nb, ti, box, _ in entries]))
 
-    with _gc_paused():
+    with gc_paused():
         cache: dict = {}
         forwarders: set = set()          # destination ranks, not ours, forwarding to ours
         for ti, tp in enumerate(plan.tensor_plans):
@@ -582,7 +577,7 @@ def plan(specs: Mapping[str, TensorSpec], src_domains: Optional[Sequence[Any]] =
     turns: dict = defaultdict(int)       # src layout -> tensors given a rotation so far
     # Planning allocates only acyclic objects (hundreds of thousands of moves at scale): the
     # cyclic collector would rescan the growing heap again and again for nothing.
-    with _gc_paused():
+    with gc_paused():
         for name, spec in specs.items():
             key = (spec.shape, spec.dtype, id(spec.src), id(spec.dst), id(spec.src_slots),
                    id(spec.dst_slots))
@@ -605,7 +600,9 @@ def plan(specs: Mapping[str, TensorSpec], src_domains: Optional[Sequence[Any]] =
 
 
 @contextmanager
-def _gc_paused():
+def gc_paused():
+    """Pause the cyclic garbage collector: building or pickling a plan allocates hundreds of
+    thousands of acyclic objects, which collections would rescan again and again."""
     enabled = gc.isenabled()
     gc.disable()
     try:

@@ -2,12 +2,11 @@
 full HF state dict, each rank's storage (and back)."""
 from __future__ import annotations
 
-import gc
-from contextlib import contextmanager
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
+from ..core.plan import gc_paused
 from ..core.slicing import assemble as _assemble
 from ..core.spec import TensorSpec
 from .config import ModelDims, model_dims
@@ -15,20 +14,6 @@ from .pieces import Piece, enumerate_pieces, hf_shapes, resolve_hf_experts
 from .storage import EngineSide, StorageDecl, make_side
 
 SIDES = {"src": "src", "train": "src", "dst": "dst", "infer": "dst"}
-
-
-@contextmanager
-def gc_paused():
-    """Pause the cyclic garbage collector: spec building allocates millions of small acyclic
-    tuples (a slot per rank per tensor), and collections triggered by them cost more than the
-    building itself at real model size."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _piece_dtype(pc: Piece, dtype: torch.dtype) -> torch.dtype:

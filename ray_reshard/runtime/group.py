@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
-from ..core.plan import DEFAULT_BUCKET_BYTES, Plan, PlanStats, plan as make_plan
+from ..core.plan import DEFAULT_BUCKET_BYTES, Plan, PlanStats, gc_paused, plan as make_plan
 from ..core.planner import Endpoint
 from ..core.spec import TensorSpec
 from ..errors import RefitError, TransportError
@@ -290,7 +290,8 @@ class ReshardGroup:
         # The plan goes to the object store once; every process compiles its own share from
         # it (nothing here grows with the number of processes but the calls themselves) and
         # reports the largest bucket it sends each peer outside the network, to size rings.
-        plan_ref = ray.put(p)
+        with gc_paused():
+            plan_ref = ray.put(p)
         refs = [a.__ray_call__.remote(worker.install, self.group_id, key, plan_ref, None,
                                       self.strategy)
                 for pid, a in enumerate(self._procs)]
