@@ -216,3 +216,25 @@ def test_bench_overlap_small(address):
     blocking, overlapped, _ = figure(r"trainer idle per step: blocking " + NUM + " s, overlapped "
                                      + NUM + r" s \(" + NUM + "x less\\)", out)
     assert blocking > 0 and overlapped >= 0
+
+
+def test_bench_object_store_small(address):
+    out = run("-m", "ray_reshard", "bench-object-store", "--mb", "4", "--repeats", "1",
+              RAY_RESHARD_CLUSTER_ADDRESS=address).stdout
+    rows = re.findall(r"\n\s*\d+ x \d+x\d+\s+" + NUM + r"\s+" + NUM + r"\s+" + NUM + "x", out)
+    assert len(rows) == 3 and all(float(x) > 0 for row in rows for x in row)
+
+
+def test_bench_replay_small():
+    out = run("-m", "ray_reshard", "bench-replay", "--model", "qwen3-235b", "--repeat", "1").stdout
+    rows = [line.split() for line in out.splitlines() if re.search(r"\s(dst|src)\d+\s", line)]
+    assert rows and all(int(r[r.index(next(x for x in r if re.fullmatch(r"(dst|src)\d+", x))) + 1])
+                        > 0 for r in rows)
+    assert "us/item" in out
+
+
+def test_bench_first_refit_small():
+    out = run("-m", "ray_reshard", "bench-first-refit", "--models", "qwen3-235b", "--wide", "0",
+              timeout=400).stdout
+    row = figure(r"Qwen3-235B-A22B\s+128->128\s+" + NUM + r"\s+" + NUM + r"\s+" + NUM, out)
+    assert row[0] > 0
