@@ -43,7 +43,7 @@ def simulate_refit(plan: Plan, src_storage: Sequence[Mapping[str, torch.Tensor]]
             moved[s.path] += s.nbytes
             continue
         if s.kind == SEND:
-            buf = torch.empty(s.nbytes, dtype=torch.uint8)
+            buf = torch.empty(s.nbytes, dtype=torch.uint8, device=s.send.region(0).device)
             s.send.pack(buf, cache=False)
             recv = waiting.pop(key, None)
             if recv is None:

@@ -31,7 +31,8 @@ import torch
 
 import ray
 import ray_reshard as rr
-from ray_reshard.core.pack import pack, unpack
+from ray_reshard.core.planner import Endpoint
+from ray_reshard.core.program import SEND, compile_program
 from ray_reshard.core.placement import Replicate, Shard
 
 STEPS = []
@@ -142,10 +143,15 @@ def pack_bandwidth(ctx):
     spec = rr.TensorSpec((rows, cols), torch.bfloat16, src, dst)
     plan = rr.plan({"w": spec}, src_domains=["a"], dst_domains=["b"] * 4)
     nbytes = rows * cols // 4 * 2
-    t = [x for x in plan.schedule(1 << 40).transfers if x.dst == 0][0]
     dst_shard = torch.empty(rows, cols // 4, dtype=torch.bfloat16, device=ctx.device)
-    views = {("src", 0, 0): full, ("dst", 0, 0): dst_shard}
-    lookup = lambda side, rank, ti: views[(side, rank, ti)]
+    # The runtime's compiled programs of source 0 and destination 0, bound to their shards:
+    # the bucket source 0 sends destination 0, packed and unpacked as the executor does.
+    sender = compile_program(plan, [Endpoint("src", 0)], 1 << 30)
+    receiver = compile_program(plan, [Endpoint("dst", 0)], 1 << 30)
+    sender.bind({("src", 0, 0): full})
+    receiver.bind({("dst", 0, 0): dst_shard})
+    send = next(s.send for s in sender.steps if s.kind == SEND and s.peer == 1)
+    recv = receiver.steps[0].recv
     buf = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device)
     contiguous = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device).random_(0, 255)
 
@@ -163,8 +169,8 @@ def pack_bandwidth(ctx):
         return best
 
     copy_s = timed(lambda: buf.copy_(contiguous))
-    pack_s = timed(lambda: pack(plan, t, lookup, out=buf))
-    unpack_s = timed(lambda: unpack(plan, t, buf, lookup))
+    pack_s = timed(lambda: send.pack(buf))
+    unpack_s = timed(lambda: recv.unpack(buf))
     if not torch.equal(dst_shard, rr.shard_tensor(full, dst, 0)):
         raise AssertionError("pack/unpack round trip differs")
     gbs = lambda s: nbytes / s / 1e9

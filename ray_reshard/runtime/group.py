@@ -537,10 +537,11 @@ class ReshardGroup:
             error = _error_of(ready[0]) if ready else None
             if error is not None:
                 t_end = min(t_end, time.monotonic() + SETTLE_S)
-                if isinstance(error, RayActorError) and not_ready:
-                    # A dead process aborts nothing itself: wake the live ones blocked on it.
-                    self._abort_members(f"process {pids[refs.index(ready[0])]} died "
-                                        f"during {phase}")
+                dead = pids[refs.index(ready[0])]
+                if isinstance(error, RayActorError) and not_ready and dead != 0:
+                    # A dead process aborts nothing itself: wake the live ones blocked on it
+                    # (process 0 hosts the store: its members notice that loss themselves).
+                    self._abort_members(f"process {dead} died during {phase}")
         not_ready = set(not_ready)
         results, failed, messages = {}, [], []
         waiting, waiting_msgs = [], []        # failed only because a peer did (transport errors)
@@ -565,6 +566,11 @@ class ReshardGroup:
             return [results[i] for i in range(len(refs))]
         hung = [pids[i] for i, r in enumerate(refs) if r in not_ready]
         self._hung.update(hung)
+        if failed:
+            # Others failed on their own first: the unfinished ones are blocked on them (woken
+            # late, or stuck in a transport), not at fault.
+            waiting_msgs += [f"process {p} still blocked when the refit ended" for p in hung]
+            hung = []
         for p in hung:
             messages.append(f"process {p} did not finish within {timeout:.1f} s ({phase})")
         # The ranks at fault: those that died, hung or raised on their own. Ranks whose transfers
