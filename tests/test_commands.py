@@ -137,6 +137,7 @@ def test_demo(address):
     assert abs(ratio - g_net / r_net) < 0.1
 
 
+@pytest.mark.slow
 def test_bench_small(address):
     out = run("-m", "ray_reshard", "bench", "--mb", "8", "--repeats", "1",
               RAY_RESHARD_CLUSTER_ADDRESS=address).stdout
@@ -148,6 +149,7 @@ def test_bench_small(address):
         assert all(x > 0 for x in figure(pat, out))
 
 
+@pytest.mark.slow
 def test_rebuild_small(address):
     out = run("-m", "ray_reshard.bench.rebuild", "--repeats", "1", "--mb", "1",
               RAY_RESHARD_CLUSTER_ADDRESS=address).stdout
@@ -158,6 +160,7 @@ def test_rebuild_small(address):
     assert u > 0 and b > 0
 
 
+@pytest.mark.slow
 def test_soak_small(address):
     out = run("-m", "ray_reshard.bench.soak", "--refits", "4", "--every", "2", "--mb", "0.5",
               RAY_RESHARD_CLUSTER_ADDRESS=address).stdout
@@ -201,6 +204,7 @@ def test_plan_from_a_config_json(tmp_path, capsys):
         assert from_file[key] == by_name[key]
 
 
+@pytest.mark.slow
 def test_bench_faults_small(address):
     out = run("-m", "ray_reshard", "bench-faults", "--timeout", "4",
               RAY_RESHARD_CLUSTER_ADDRESS=address).stdout
@@ -218,6 +222,7 @@ def test_bench_overlap_small(address):
     assert blocking > 0 and overlapped >= 0
 
 
+@pytest.mark.slow
 def test_bench_object_store_small(address):
     out = run("-m", "ray_reshard", "bench-object-store", "--mb", "4", "--repeats", "1",
               RAY_RESHARD_CLUSTER_ADDRESS=address).stdout
