@@ -19,6 +19,10 @@ GB = 1e9
 # GPU host pays too, on faster cores).
 MEASURED_ITEM_S = 22.5e-6
 MEASURED_TENSOR_S = 6.6e-6
+# The executor's CPU time per item at real-model scale: the busiest DeepSeek-V3 ranks' compiled
+# programs (about 50k items each) replayed by `python -m ray_reshard bench-replay` (2.8 us per
+# item on the busiest destination, 3.1 us on the busiest source); the GPU cluster presets use it.
+REPLAY_ITEM_S = 3.1e-6
 
 
 @dataclass(frozen=True)
@@ -71,10 +75,12 @@ class Cluster:
 
 PRESETS = {
     # DGX H100: NVLink 4 (900 GB/s bidirectional per GPU), one 400 Gb/s ConnectX-7 per GPU.
-    "dgx-h100": Cluster("dgx-h100", 8, 450 * GB, 400 / 8 * GB, latency_s=20e-6),
+    "dgx-h100": Cluster("dgx-h100", 8, 450 * GB, 400 / 8 * GB, latency_s=20e-6,
+                        item_s=REPLAY_ITEM_S),
     # GB200 NVL72: 72 GPUs in one NVLink 5 domain (1.8 TB/s bidirectional per GPU), one
     # 400 Gb/s ConnectX-7 per GPU to the scale-out fabric.
-    "gb200-nvl72": Cluster("gb200-nvl72", 72, 900 * GB, 400 / 8 * GB, latency_s=20e-6),
+    "gb200-nvl72": Cluster("gb200-nvl72", 72, 900 * GB, 400 / 8 * GB, latency_s=20e-6,
+                           item_s=REPLAY_ITEM_S),
     # This machine's two simulated nodes (every rank shares 2 CPU cores): gloo over loopback as
     # the network, shared-memory rings as the domain links. Figures measured by
     # `python -m ray_reshard.bench.sim_calibrate` (see README); rerun it to refresh them.
