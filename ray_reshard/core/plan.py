@@ -453,7 +453,7 @@ def build_share(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int) ->
             """(k, entries) of pair i: our pairs' buckets, or a replayed pair's buckets that
             hold pieces forwarded to us (found from the piece sizes alone)."""
             if pair_keys[i][3]:
-                return enumerate(_pack_sized(entries, bucket_bytes))
+                return enumerate(_pack(entries, bucket_bytes, size_at=0))
             starts, cur = [], 0
             for pos, nb in enumerate(replay_sizes.get(i, ())):
                 if cur and cur + nb > bucket_bytes:
@@ -491,26 +491,12 @@ def build_share(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int) ->
         return transfers
 
 
-def _pack_sized(entries: list, bucket_bytes: int) -> list[list]:
-    """Greedy buckets of consecutive entries (nbytes, ...) of at most bucket_bytes."""
+def _pack(entries: list, bucket_bytes: int, size_at: int = 1) -> list[list]:
+    """Greedy buckets of consecutive entries of at most bucket_bytes; `entry[size_at]` is an
+    entry's bytes ((item, nbytes, parent) entries by default)."""
     buckets, cur, cur_bytes = [], [], 0
     for e in entries:
-        nb = e[0]
-        if cur and cur_bytes + nb > bucket_bytes:
-            buckets.append(cur)
-            cur, cur_bytes = [], 0
-        cur.append(e)
-        cur_bytes += nb
-    if cur:
-        buckets.append(cur)
-    return buckets
-
-
-def _pack(entries: list, bucket_bytes: int) -> list[list]:
-    """Greedy buckets of consecutive entries (item, nbytes, parent) of at most bucket_bytes."""
-    buckets, cur, cur_bytes = [], [], 0
-    for e in entries:
-        nb = e[1]
+        nb = e[size_at]
         if cur and cur_bytes + nb > bucket_bytes:
             buckets.append(cur)
             cur, cur_bytes = [], 0

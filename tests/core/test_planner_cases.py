@@ -1,4 +1,4 @@
-"""Exhaustive small cases and the brief's worked examples."""
+"""Exhaustive small cases and the worked examples of the README and the reshard literature."""
 from __future__ import annotations
 
 import itertools
