@@ -418,6 +418,11 @@ def _abort_channels(wg: _WorkerGroup, reason: str) -> None:
         pass
 
 
+def member_groups(actor) -> list:
+    """Ids of the groups this process holds state for."""
+    return sorted(_GROUPS)
+
+
 def held_resources(actor, group_id: str) -> dict:
     """What this process holds for a group: installed programs and mapped rings by peer."""
     wg = _GROUPS.get(group_id)

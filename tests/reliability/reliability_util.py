@@ -74,8 +74,8 @@ def _state(actor, group_id, group_name):
     from ray.util.collective import collective as col
     maps = open("/proc/self/maps").read()
     return {"pid": os.getpid(),
-            "in_groups": group_id in worker._GROUPS,
-            "groups": sorted(worker._GROUPS),
+            "in_groups": group_id in worker.member_groups(actor),
+            "groups": worker.member_groups(actor),
             "collective": col.is_group_initialized(group_name),
             "mapped": sorted(set(SEG_RE.findall(maps)))}
 
@@ -104,7 +104,7 @@ def assert_no_leaks(group_id, group_name, ring_names, helpers, live_actors, dead
         problems = []
         for s in states:
             if s["in_groups"]:
-                problems.append(f"pid {s['pid']} still has the group in worker._GROUPS")
+                problems.append(f"pid {s['pid']} still holds state for the group")
             if s["collective"]:
                 problems.append(f"pid {s['pid']} still has collective group {group_name}")
             left = set(s["mapped"]) & set(ring_names)

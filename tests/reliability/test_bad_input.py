@@ -268,7 +268,7 @@ def test_partial_placement_refused():
 
 # ------------------------------------------------------------------ constructor arguments
 def _groups_in(actors_):
-    return ray.get([a.__ray_call__.remote(lambda self: sorted(worker._GROUPS)) for a in actors_])
+    return ray.get([a.__ray_call__.remote(worker.member_groups) for a in actors_])
 
 
 @pytest.mark.parametrize("kw, match", [
