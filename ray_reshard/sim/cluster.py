@@ -17,8 +17,8 @@ GB = 1e9
 # tensor per process (view lookups before the rounds), measured on the development machine by
 # `python -m ray_reshard.bench.sim_calibrate` (2-core CPU box; host-side Python costs, which a
 # GPU host pays too, on faster cores).
-MEASURED_ITEM_S = 22.5e-6
-MEASURED_TENSOR_S = 6.6e-6
+MEASURED_ITEM_S = 2.1e-6
+MEASURED_TENSOR_S = 26.3e-6
 # The executor's CPU time per item at real-model scale: the busiest DeepSeek-V3 ranks' compiled
 # programs (about 50k items each) replayed by `python -m ray_reshard bench-replay` (2.8 us per
 # item on the busiest destination, 3.1 us on the busiest source); the GPU cluster presets use it.
@@ -84,8 +84,8 @@ PRESETS = {
     # This machine's two simulated nodes (every rank shares 2 CPU cores): gloo over loopback as
     # the network, shared-memory rings as the domain links. Figures measured by
     # `python -m ray_reshard.bench.sim_calibrate` (see README); rerun it to refresh them.
-    "local": Cluster("local", 4, 2.78 * GB, 1.07 * GB, latency_s=1.69e-3, fabric_Bps=2.56 * GB,
-                     domain_fabric_Bps=2.78 * GB, refit_overhead_s=12.7e-3, copy_Bps=2.96 * GB,
+    "local": Cluster("local", 4, 6.11 * GB, 1.14 * GB, latency_s=0.925e-3, fabric_Bps=2.59 * GB,
+                     domain_fabric_Bps=6.11 * GB, refit_overhead_s=22.5e-3, copy_Bps=2.74 * GB,
                      cpu_cores=2, broadcast="flat"),
 }
 
