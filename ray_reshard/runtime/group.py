@@ -16,8 +16,9 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from ..core.plan import DEFAULT_BUCKET_BYTES, Plan, PlanStats, gc_paused, plan as make_plan
 from ..core.planner import Endpoint
 from ..core.spec import TensorSpec
-from ..errors import RefitError, TransportError
-from . import metrics, worker
+from ..errors import GroupStateLost, RefitError, TransportError
+from . import membership, metrics, worker
+from .membership import Members, actor_key
 from .transport import torch_pg
 from .transport.devices import choose_backend
 
@@ -63,13 +64,6 @@ class RefitResult:
         return metrics.to_arrow(self.to_dict())
 
 
-def _actor_key(a) -> Any:
-    try:
-        return a._actor_id
-    except AttributeError:
-        raise TypeError(f"expected a Ray actor handle, got {type(a).__name__}") from None
-
-
 class ReshardGroup:
     """Moves tensors from `src_actors` to `dst_actors` (refit), reusing groups and plans.
 
@@ -102,12 +96,13 @@ class ReshardGroup:
         if not ray.is_initialized():
             raise RuntimeError("Ray is not initialized: call ray.init() before building a "
                                "ReshardGroup")
-        self._ray_session = _session()[0]
+        self._ray_session = membership.session()[0]
         self.strategy, self.bucket_bytes, self.timeout_s = strategy, bucket_bytes, timeout_s
         self.max_programs = max_programs
         self._lock = threading.RLock()      # one refit / update / close at a time
         self._pending: Optional[PendingRefit] = None
         self._program_ids = itertools.count()
+        self._ballots = itertools.count()
         self.setup_timeout_s = setup_timeout_s
         self._tensors_fn = tensors
         self._backend_arg = backend
@@ -128,19 +123,9 @@ class ReshardGroup:
     # ---------------------------------------------------------------- set-up
     def _bind(self, src_actors, dst_actors) -> None:
         """Take new actor lists: process numbering, fresh group id and per-group caches."""
-        src_actors, dst_actors = list(src_actors), list(dst_actors)
-        if not src_actors or not dst_actors:
-            raise ValueError(f"need at least one source and one destination actor, got "
-                             f"{len(src_actors)} and {len(dst_actors)}")
-        for side, actors in (("src", src_actors), ("dst", dst_actors)):
-            seen = {}
-            for i, a in enumerate(actors):
-                k = _actor_key(a)
-                if k in seen:
-                    raise ValueError(f"{side} actor {i} is the same actor as {side} actor "
-                                     f"{seen[k]}: each actor may appear once per side")
-                seen[k] = i
-        self.src_actors, self.dst_actors = src_actors, dst_actors
+        self.members = Members.of(src_actors, dst_actors)
+        self.src_actors, self.dst_actors = list(src_actors), list(dst_actors)
+        self._procs, self._ep_pid = list(self.members.procs), self.members.proc_of
         self.group_id = uuid.uuid4().hex
         self._broken: Optional[str] = None
         self._hung: set = set()         # processes that missed a deadline (maybe still busy)
@@ -149,14 +134,6 @@ class ReshardGroup:
         self._installed: set = set()
         self._ring_users: dict = {}     # ring pair -> program ids whose schedule uses it
         self._rings: dict = {}          # (sender pid, receiver pid) -> (ring name, slot bytes)
-        self._procs, self._ep_pid, pid_of = [], {}, {}
-        for side, actors in (("src", src_actors), ("dst", dst_actors)):
-            for i, a in enumerate(actors):
-                k = _actor_key(a)
-                if k not in pid_of:
-                    pid_of[k] = len(self._procs)
-                    self._procs.append(a)
-                self._ep_pid[Endpoint(side, i)] = pid_of[k]
 
     def _call_all(self, fn, *args, timeout: Optional[float] = None, actors=None):
         actors = self._procs if actors is None else actors
@@ -165,41 +142,13 @@ class ReshardGroup:
 
     def _setup(self) -> None:
         """Probe the actors, find domains, and build the collective group."""
-        # Every member answers first (new ones say where they run): a dead or stuck member fails
-        # here, named, before any live one starts joining a collective group that could never
-        # complete (and would hold that actor until the transport's own timeout).
-        probes = self._collect([a.__ray_call__.remote(worker.probe) for a in self._procs],
-                               self.setup_timeout_s, "setup")
-        for a, info in zip(self._procs, probes):
-            # Always the fresh answer: an actor Ray restarted may now run on another node.
-            self._infos[_actor_key(a)] = info
-        infos = [self._infos[_actor_key(a)] for a in self._procs]
-        nodes = list(dict.fromkeys(i["node_id"] for i in infos))
-        self._helpers = _node_helpers(nodes, self.setup_timeout_s)
-        topo = dict(zip(nodes, ray.get([self._helpers[n].topology.remote() for n in nodes],
-                                       timeout=self.setup_timeout_s)))
-        proc_domain, proc_device = [], []
-        for info in infos:
-            t = topo[info["node_id"]]
-            dom = t["domain"]
-            if info.get("gpu_uuid"):
-                dom = next((g["domain"] for g in t.get("gpus", ()) if g["uuid"] == info["gpu_uuid"]),
-                           dom)
-                proc_device.append(("gpu", info["gpu_uuid"]))
-            else:
-                proc_device.append(("proc", info["node_id"], info["pid"]))
-            proc_domain.append(dom)
-        self.proc_nodes = [i["node_id"] for i in infos]
-        n_src, n_dst = len(self.src_actors), len(self.dst_actors)
-        pid = lambda side, i: self._ep_pid[Endpoint(side, i)]
         src_domains, dst_domains = self._domains_arg
-        self.src_domains = list(src_domains) if src_domains is not None else \
-            [proc_domain[pid("src", i)] for i in range(n_src)]
-        self.dst_domains = list(dst_domains) if dst_domains is not None else \
-            [proc_domain[pid("dst", j)] for j in range(n_dst)]
-        self.src_devices = [proc_device[pid("src", i)] for i in range(n_src)]
-        self.dst_devices = [proc_device[pid("dst", j)] for j in range(n_dst)]
-        on_gpu = [i["device"].startswith("cuda") for i in infos]
+        topo = membership.probe(self.members, self._infos, self._collect, self.setup_timeout_s,
+                                src_domains, dst_domains)
+        self._helpers, self.proc_nodes = topo.helpers, topo.proc_nodes
+        self.src_domains, self.dst_domains = topo.src_domains, topo.dst_domains
+        self.src_devices, self.dst_devices = topo.src_devices, topo.dst_devices
+        infos, on_gpu = topo.infos, topo.on_gpu
         # NCCL only with one process per GPU; processes sharing a GPU (fractional num_gpus) use
         # CUDA IPC rings on their node whatever the network backend.
         backend = choose_backend(self._backend_arg,
@@ -236,7 +185,7 @@ class ReshardGroup:
             self._leave(wait=False)
             self._bind(self.src_actors if src_actors is None else src_actors,
                        self.dst_actors if dst_actors is None else dst_actors)
-            live = {_actor_key(a) for a in self._procs}
+            live = {actor_key(a) for a in self._procs}
             self._infos = {k: v for k, v in self._infos.items() if k in live}
             self._setup()
             return time.perf_counter() - t0
@@ -321,7 +270,7 @@ class ReshardGroup:
             try:
                 names = create()
             except RayActorError:      # the helper died since set-up (a user's ray.kill): replace it
-                self._helpers.update(_node_helpers([node], self.setup_timeout_s))
+                self._helpers.update(membership.node_helpers([node], self.setup_timeout_s))
                 names = create()
             self._rings.update((k, (n, size)) for k, n in zip(ps, names))
         by_node = {node for node, _ in by_size}
@@ -418,30 +367,29 @@ class ReshardGroup:
         timeout = timeout_s or self.timeout_s or default_timeout_s(p.stats.total_bytes)
         deadline = time.monotonic() + timeout
         self._install(key, p, timeout)
-        errors = self._collect([a.__ray_call__.remote(worker.prepare, self.group_id, key)
-                                for a in self._procs], max(deadline - time.monotonic(), 0.0),
-                               "prepare")
-        problems = [e for errs in errors for e in errs]
-        if problems:
-            raise ValueError("refit refused before moving any byte:\n  " + "\n  ".join(problems))
         version = self._version + 1
         t0 = time.perf_counter()
         if capture:
-            holders = sorted({self._ep_pid[Endpoint("src", i)]
-                              for i in range(len(self.src_actors))})
+            holders = self.members.procs_of("src")
             try:
-                self._collect([self._procs[q].__ray_call__.remote(worker.capture, self.group_id,
-                                                                  key) for q in holders],
-                              max(deadline - time.monotonic(), 0.0), "capture", holders)
+                errors = self._collect([self._procs[q].__ray_call__.remote(
+                    worker.capture, self.group_id, key) for q in holders],
+                    max(deadline - time.monotonic(), 0.0), "capture", holders)
             except RefitError:
                 self._discard_all()
                 raise
+            if any(errors):
+                self._discard_all()
+                _refuse(errors)
         left = max(deadline - time.monotonic(), 0.001)
+        # One call per process: it checks its tensors, votes with the others through the
+        # group's store (nobody moves a byte unless everyone's tensors are right), and runs.
+        ballot = f"refit{next(self._ballots)}"
         refs = [a.__ray_call__.remote(worker.run, self.group_id, key, left, version, atomic,
-                                      snapshot)
+                                      snapshot, ballot, self._version)
                 for a in self._procs]
         return {"refs": refs, "left": left, "version": version, "timeout": timeout, "t0": t0,
-                "plan": p, "planned": planned}
+                "plan": p, "planned": planned, "atomic": atomic}
 
     def _finish(self, running: dict) -> RefitResult:
         """Wait for every process's run, commit, and report."""
@@ -451,7 +399,13 @@ class ReshardGroup:
             self._discard_all()
             raise
         version, p = running["version"], running["plan"]
-        result_warnings = self._commit(version, running["timeout"])
+        if any("refused" in st for st in per):
+            self._discard_all()
+            _refuse([st.get("refused", []) for st in per])
+        if running["atomic"]:
+            result_warnings = self._commit(version, running["timeout"])
+        else:                  # every process finished: each takes the version at its next call
+            self._version, result_warnings = version, []
         seconds = time.perf_counter() - running["t0"]
         moved = {"network": 0, "domain": 0, "local": 0}
         for st in per:
@@ -476,7 +430,7 @@ class ReshardGroup:
         destination fails here, the others roll back (atomic: old weights back) and the group
         keeps its version.
         """
-        dst_procs = {self._ep_pid[Endpoint("dst", j)] for j in range(len(self.dst_actors))}
+        dst_procs = set(self.members.procs_of("dst"))
         refs = [a.__ray_call__.remote(worker.commit, self.group_id, version)
                 for a in self._procs]
         grace = 5.0
@@ -538,10 +492,13 @@ class ReshardGroup:
             if error is not None:
                 t_end = min(t_end, time.monotonic() + SETTLE_S)
                 dead = pids[refs.index(ready[0])]
-                if isinstance(error, RayActorError) and not_ready and dead != 0:
-                    # A dead process aborts nothing itself: wake the live ones blocked on it
-                    # (process 0 hosts the store: its members notice that loss themselves).
-                    self._abort_members(f"process {dead} died during {phase}")
+                lost = isinstance(error, RayActorError) or \
+                    isinstance(getattr(error, "cause", None), GroupStateLost)
+                if lost and not_ready and dead != 0:
+                    # A dead process (or one that lost its group state) aborts nothing itself:
+                    # wake the live ones blocked on it (process 0 hosts the store: its
+                    # members notice that loss themselves).
+                    self._abort_members(f"process {dead} {'died' if isinstance(error, RayActorError) else 'lost its group state'} during {phase}")
         not_ready = set(not_ready)
         results, failed, messages = {}, [], []
         waiting, waiting_msgs = [], []        # failed only because a peer did (transport errors)
@@ -604,12 +561,10 @@ class ReshardGroup:
     def _ray_alive(self) -> bool:
         """Whether the driver is still connected to the Ray instance the group was built on
         (never start or attach to another one by calling into it)."""
-        return ray.is_initialized() and _session()[0] == self._ray_session
+        return ray.is_initialized() and membership.session()[0] == self._ray_session
 
     def _ranks_of(self, pids):
-        return [(ep.side, ep.rank) for ep, p in sorted(self._ep_pid.items(),
-                                                      key=lambda kv: (kv[0].side != "src", kv[0].rank))
-                if p in set(pids)]
+        return self.members.ranks_of(pids)
 
     def raw_bandwidth(self, nbytes_per_pair: int, pairs=None) -> float:
         """Aggregate GB/s of plain sends over this group's network transport.
@@ -643,7 +598,7 @@ class ReshardGroup:
         with self._lock:
             self._settle()
             self._check_usable()
-            return self._call_all(worker.version, self.group_id)
+            return self._call_all(worker.version, self.group_id, self._version)
 
     # ---------------------------------------------------------------- teardown
     def close(self) -> None:
@@ -735,41 +690,6 @@ class PendingRefit:
         return self._result
 
 
-_HELPERS: dict = {}      # (cluster session, node id) -> NodeHelper, shared by this driver's groups
-
-
-def _session() -> tuple:
-    """Helpers live as long as the driver's job: key them by cluster session and job."""
-    try:
-        session = ray._private.worker._global_node.session_name
-    except AttributeError:
-        session = None
-    return session, ray.get_runtime_context().get_job_id()
-
-
-def _node_helpers(nodes, timeout: float) -> dict:
-    """One helper per node, started once per driver and reused (starting one costs seconds)."""
-    from .node_helper import start_node_helpers
-
-    session = _session()
-    have = {n: _HELPERS[(session, n)] for n in nodes if (session, n) in _HELPERS}
-    pings = {n: h.ping.remote() for n, h in have.items()}
-    ray.wait(list(pings.values()), num_returns=len(pings), timeout=timeout)
-    for n, ref in pings.items():      # drop helpers that died (node loss, a user's ray.kill)
-        try:
-            ray.get(ref, timeout=0)
-        except Exception:
-            _HELPERS.pop((session, n), None)
-            del have[n]
-    missing = [n for n in nodes if n not in have]
-    if missing:
-        started = start_node_helpers(missing)
-        for n, h in started.items():
-            _HELPERS[(session, n)] = h
-            have[n] = h
-    return {n: have[n] for n in nodes}
-
-
 # After a process failed, how long the others get to report before they count as hung.
 SETTLE_S = 3.0
 
@@ -797,6 +717,11 @@ def _describe(proc: int, e: Exception) -> str:
     if len(text) > 800:
         text = text[:800] + " ..."
     return f"process {proc}: {type(cause).__name__}: {text}"
+
+
+def _refuse(problems_per_process) -> None:
+    problems = [e for errs in problems_per_process for e in errs]
+    raise ValueError("refit refused before moving any byte:\n  " + "\n  ".join(problems))
 
 
 def _check_bucket(p: Plan, bucket_bytes: int) -> None:

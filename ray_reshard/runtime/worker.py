@@ -34,12 +34,29 @@ def _group(group_id: str) -> "_WorkerGroup":
 
 
 @dataclass
+class _Shard:
+    """One shard this process holds in a program: where it lives and what it must look like."""
+
+    key: tuple                            # (side, rank, tensor)
+    name: str
+    spec: Any
+    slot: Any
+    sizes: tuple
+    dtype: torch.dtype
+
+
+@dataclass
 class _Program:
     plan: Plan
     held: list[tuple[str, int, int]]      # (side, rank, tensor) shards this process holds
     strategy: str = "reshard"
     gb_steps: list = field(default_factory=list)
     compiled: Any = None                  # reshard: this process's compiled Program
+    shards: list = field(default_factory=list)
+    storages: tuple = ()                  # local tensor names the shards live in
+    # The last validation that found no problem: (what the local tensors looked like, shard
+    # views, aliased source keys). Reused while every local tensor keeps its memory and layout.
+    checked: Any = None
 
 
 @dataclass
@@ -62,6 +79,9 @@ class _WorkerGroup:
     # version before it and the (destination view, its old contents) pairs to roll back to.
     undo: Any = None
     captured: Any = None              # (program key, {source key: copy}) for an overlapped refit
+    # A non-atomic refit this process finished: it becomes `version` once the driver says every
+    # process finished it (the `committed` argument of the next call), so one call per refit.
+    done: Optional[int] = None
 
 
 def probe(actor) -> dict:
@@ -117,7 +137,7 @@ def install(actor, group_id: str, key, plan: Plan, transfers: Optional[list],
     process sends it outside the network}, for sizing shared-memory rings."""
     wg = _group(group_id)
     plan.localize(wg.endpoints)
-    held = []
+    held, shards = [], []
     for ep in sorted(wg.endpoints, key=lambda e: (e.side, e.rank)):
         layout_boxes: dict = {}
         for ti, spec in enumerate(plan.specs):
@@ -127,8 +147,14 @@ def install(actor, group_id: str, key, plan: Plan, transfers: Optional[list],
             if box is False:
                 box = layout_boxes[k] = lay.box(ep.rank, spec.shape)
             if box is not None:
-                held.append((ep.side, ep.rank, ti))
-    prog = _Program(plan, held, strategy)
+                shard = (ep.side, ep.rank, ti)
+                held.append(shard)
+                name = plan.names[ti]
+                shards.append(_Shard(shard, name, spec, spec.slot(ep.side, ep.rank, name),
+                                     box.sizes,
+                                     spec.source_dtype if ep.side == "src" else spec.dtype))
+    prog = _Program(plan, held, strategy, shards=shards,
+                    storages=tuple(dict.fromkeys(sh.slot.storage for sh in shards)))
     strat = executor.STRATEGIES[strategy]
     if strategy == "gather_broadcast":
         prog.gb_steps = strat.install(plan, wg.endpoints, wg.bucket_bytes, wg.ep_pid, wg.pg)
@@ -156,16 +182,33 @@ def _storage(actor, wg: _WorkerGroup) -> dict:
     return got
 
 
-def _views(actor, wg: _WorkerGroup, prog: _Program) -> tuple[dict, list[str]]:
-    """(side, rank, tensor) -> shard view, plus every problem found (nothing is written)."""
+def _signature(storage: dict, names: tuple) -> tuple:
+    """What the local tensors a program reads and writes look like: their memory and layout.
+    Equal signatures mean the shard views cut from them last time are still the same memory."""
+    sig = []
+    for n in names:
+        t = storage.get(n)
+        if isinstance(t, torch.Tensor):
+            sig.append((t.data_ptr(), t.dtype, t.device, t.shape, t.stride()))
+        else:
+            sig.append(type(t))
+    return tuple(sig)
+
+
+def _views(actor, wg: _WorkerGroup, prog: _Program) -> tuple[dict, list[str], list]:
+    """(side, rank, tensor) -> shard view, every problem found (nothing is written), and the
+    source shards that share memory with a destination shard of this process. Validation runs
+    in full only when a local tensor changed memory or layout since the last one that passed."""
     storage = _storage(actor, wg)
+    sig = _signature(storage, prog.storages)
+    if prog.checked is not None and prog.checked[0] == sig:
+        return dict(prog.checked[1]), [], prog.checked[2]
     views, errors = {}, []
     plan = prog.plan
-    for side, rank, ti in prog.held:
-        name, spec = plan.names[ti], plan.specs[ti]
-        box = spec.layout(side).box(rank, spec.shape)
-        slot = spec.slot(side, rank, name)
-        where = f"{name!r} on {side} rank {rank}"
+    for sh in prog.shards:
+        side, rank, ti = sh.key
+        slot, spec = sh.slot, sh.spec
+        where = f"{sh.name!r} on {side} rank {rank}"
         base = storage.get(slot.storage)
         if base is None:
             errors.append(f"{where}: no local tensor {slot.storage!r}")
@@ -173,36 +216,52 @@ def _views(actor, wg: _WorkerGroup, prog: _Program) -> tuple[dict, list[str]]:
         if not isinstance(base, torch.Tensor):
             errors.append(f"{where}: local {slot.storage!r} is a {type(base).__name__}, not a tensor")
             continue
-        want = spec.source_dtype if side == "src" else spec.dtype
-        if base.dtype != want:
-            errors.append(f"{where}: local {slot.storage!r} has dtype {base.dtype}, expected {want}")
+        if base.dtype != sh.dtype:
+            errors.append(f"{where}: local {slot.storage!r} has dtype {base.dtype}, expected "
+                          f"{sh.dtype}")
             continue
         if base.device.type != wg.device.type:
             errors.append(f"{where}: local {slot.storage!r} is on {base.device}, expected {wg.device}")
             continue
         try:
-            view = slot.view(base, box.sizes)
+            view = slot.view(base, sh.sizes)
         except (IndexError, RuntimeError) as e:
-            errors.append(f"{where}: cannot place shard {box.sizes} in local {slot.storage!r} of "
+            errors.append(f"{where}: cannot place shard {sh.sizes} in local {slot.storage!r} of "
                           f"shape {tuple(base.shape)} at {slot}: {e}")
             continue
-        if tuple(view.shape) != box.sizes:
+        if tuple(view.shape) != sh.sizes:
+            box = spec.layout(side).box(rank, spec.shape)
             errors.append(f"{where}: local shard has shape {tuple(view.shape)}, expected "
-                          f"{box.sizes} (global {spec.shape}, box {box})")
+                          f"{sh.sizes} (global {spec.shape}, box {box})")
             continue
         if side == "dst" and overlaps_itself(view):
             errors.append(f"{where}: its shard in local {slot.storage!r} (shape "
                           f"{tuple(view.shape)}, strides {tuple(view.stride())}) overlaps itself "
                           f"(elements share memory), so it cannot be written")
             continue
-        views[(side, rank, ti)] = view
+        views[sh.key] = view
     dst_keys = [k for k in views if k[0] == "dst"]
     if len(dst_keys) > 1:
         for i, j in overlapping_pairs([views[k] for k in dst_keys]):
             (_, ra, ta), (_, _, tb) = dst_keys[i], dst_keys[j]
             errors.append(f"{plan.names[ta]!r} and {plan.names[tb]!r} on dst rank {ra}: their "
                           f"local shards share memory, so one would overwrite the other")
-    return views, errors
+    if errors:
+        return views, errors, []
+    aliased = _aliased_sources(views)
+    prog.checked = (sig, dict(views), aliased)
+    return views, errors, aliased
+
+
+def _check(actor, wg: _WorkerGroup, prog: _Program) -> tuple[dict, list[str], list]:
+    """`_views`, with a failing lookup (a broken tensors() callable) reported as a problem."""
+    try:
+        return _views(actor, wg, prog)
+    except Exception as e:
+        ranks = ", ".join(f"{ep.side} rank {ep.rank}"
+                          for ep in sorted(wg.endpoints, key=lambda ep: (ep.side != "src", ep.rank)))
+        return {}, [f"process {wg.pid} ({ranks}): looking up local tensors failed: "
+                    f"{type(e).__name__}: {e}"], []
 
 
 def _aliased_sources(views: dict) -> list:
@@ -216,26 +275,20 @@ def _aliased_sources(views: dict) -> list:
     return sorted({src_keys[i] for i, _ in pairs})
 
 
-@torch.inference_mode()
-def prepare(actor, group_id: str, key) -> list[str]:
-    """Check every local tensor this process would read or write; returns problems found."""
-    wg = _group(group_id)
-    try:
-        return _views(actor, wg, wg.programs[key])[1]
-    except Exception as e:        # a broken tensors() callable is bad input too
-        ranks = ", ".join(f"{ep.side} rank {ep.rank}"
-                          for ep in sorted(wg.endpoints, key=lambda ep: (ep.side != "src", ep.rank)))
-        return [f"process {wg.pid} ({ranks}): looking up local tensors failed: "
-                f"{type(e).__name__}: {e}"]
-
-
 # Destinations may be parameters that require grad, or inference tensors (engines allocate
 # under torch.inference_mode()): both are written in place under inference mode, where every
 # view we make and write through is made too.
 @torch.inference_mode()
-def run(actor, group_id: str, key, timeout_s: float, version: int,
-        atomic: bool = False, snapshot: bool = False) -> dict:
-    """Execute this process's program; returns its statistics.
+def run(actor, group_id: str, key, timeout_s: float, version: int, atomic: bool = False,
+        snapshot: bool = False, vote: Optional[str] = None,
+        committed: Optional[int] = None) -> dict:
+    """Check this process's local tensors, agree with every member, then execute this
+    process's program; returns its statistics.
+
+    One call per refit. Every member checks its tensors and votes through the group's store
+    (`vote` names the ballot): when any member found a problem, none moves a byte and each
+    returns {"refused": its problems}. `committed` is the group's version now (the driver's
+    word that the previous refit finished everywhere).
 
     With `atomic`, destination shards are received into staging copies that only `commit`
     writes back, so a refit that fails anywhere leaves the old weights. With `snapshot`,
@@ -245,6 +298,7 @@ def run(actor, group_id: str, key, timeout_s: float, version: int,
     overwritten. Any failure here aborts this process's channels, so peers fail at once.
     """
     wg = _group(group_id)
+    _settle_version(wg, committed)
     t0 = time.perf_counter()
     deadline = time.monotonic() + timeout_s
     wg.staged = None
@@ -252,9 +306,16 @@ def run(actor, group_id: str, key, timeout_s: float, version: int,
     captured, wg.captured = wg.captured, None
     try:
         prog = wg.programs[key]
-        views, errors = _views(actor, wg, prog)
-        if errors:
+        views, errors, aliased = _check(actor, wg, prog)
+        if vote is not None:
+            t_vote = time.perf_counter()
+            refused = wg.pg.vote(vote, not errors, deadline)
+            t_vote = time.perf_counter() - t_vote
+            if refused:
+                return {"refused": errors, "pid": wg.pid}
+        elif errors:
             raise ValueError("; ".join(errors))
+        t_checked = time.perf_counter() - t0
         extra = aliased_bytes = 0
         if captured is not None:          # an overlapped refit: send what capture() copied
             if captured[0] != key:
@@ -264,7 +325,7 @@ def run(actor, group_id: str, key, timeout_s: float, version: int,
             snapshot = True
         copy_first = [] if captured is not None else \
             [k for k in views if k[0] == "src"] if snapshot else \
-            ([] if atomic else _aliased_sources(views))
+            ([] if atomic else aliased)
         for k in copy_first:
             v = views[k]
             views[k] = v.clone()
@@ -278,34 +339,45 @@ def run(actor, group_id: str, key, timeout_s: float, version: int,
                     targets[k] = v
                     views[k] = torch.empty_like(v)
                     extra += v.numel() * v.element_size()
-        if prog.strategy == "gather_broadcast":
-            from .gather_broadcast import execute
-            stats = execute(wg, prog, views, deadline)
-        else:
-            stats = _execute(wg, prog, views, deadline)
+        stats = executor.STRATEGIES[prog.strategy].execute(wg, prog, views, deadline)
     except BaseException as e:
         _abort_channels(wg, f"{type(e).__name__}: {e}")
         raise
-    wg.staged = (version, [(targets[k], views[k]) for k in targets] if atomic else [])
+    if atomic:
+        wg.staged = (version, [(targets[k], views[k]) for k in targets])
+    else:
+        wg.done = version
     stats["seconds"] = time.perf_counter() - t0
     stats["pid"] = wg.pid
     stats["extra_bytes"] = extra
     stats["aliased_bytes"] = aliased_bytes
+    stats.setdefault("clock", {})["check"] = t_checked - (t_vote if vote is not None else 0.0)
+    if vote is not None:
+        stats["clock"]["vote"] = t_vote
     return stats
 
 
+def _settle_version(wg: _WorkerGroup, committed: Optional[int]) -> None:
+    """Take the driver's word on the last refit: finished everywhere (`committed` is its
+    version) or not (the data stays, the version does not move)."""
+    if committed is not None and wg.done is not None:
+        if wg.done == committed:
+            wg.version = committed
+        wg.done = None
+
+
 @torch.inference_mode()
-def capture(actor, group_id: str, key) -> int:
+def capture(actor, group_id: str, key) -> list[str]:
     """Copy this process's source shards of program `key` for the run that follows (an
     overlapped refit: the trainer may change its tensors once every process captured).
-    Returns the bytes copied."""
+    Returns the problems found (nothing is copied then)."""
     wg = _group(group_id)
-    views, errors = _views(actor, wg, wg.programs[key])
+    views, errors, _ = _check(actor, wg, wg.programs[key])
     if errors:
-        raise ValueError("; ".join(errors))
+        return errors
     copies = {k: v.clone() for k, v in views.items() if k[0] == "src"}
     wg.captured = (key, copies)
-    return sum(v.numel() * v.element_size() for v in copies.values())
+    return []
 
 
 # Atomic commits swap staged and live contents in slices of at most this many bytes, so the
@@ -383,6 +455,7 @@ def discard(actor, group_id: str) -> None:
         wg.staged = None
         wg.undo = None
         wg.captured = None
+        wg.done = None
 
 
 def uninstall(actor, group_id: str, keys: list, rings: list = ()) -> None:
@@ -397,12 +470,6 @@ def uninstall(actor, group_id: str, keys: list, rings: list = ()) -> None:
         ring = (wg.rings_out if sending else wg.rings_in).pop(peer, None)
         if ring is not None:
             ring.close()
-
-
-def _execute(wg: _WorkerGroup, prog: _Program, views: dict, deadline: float) -> dict:
-    """Run this process's program (its strategy's execute) with the validated shard views
-    `views[(side, rank, tensor)]`; returns its statistics."""
-    return executor.STRATEGIES[prog.strategy].execute(wg, prog, views, deadline)
 
 
 def _abort_channels(wg: _WorkerGroup, reason: str) -> None:
@@ -433,8 +500,11 @@ def held_resources(actor, group_id: str) -> dict:
             "rings_in": {p: r.name for p, r in wg.rings_in.items()}}
 
 
-def version(actor, group_id: str) -> int:
-    return _group(group_id).version
+def version(actor, group_id: str, committed: Optional[int] = None) -> int:
+    """The version this process holds (`committed`: the group's, as for `run`)."""
+    wg = _group(group_id)
+    _settle_version(wg, committed)
+    return wg.version
 
 
 def teardown(actor, group_id: str) -> None:

@@ -105,7 +105,7 @@ def lookup(actor):
     fault = getattr(actor, "rr_fault", None)
     if fault is not None:
         kind, skip = fault
-        if skip > 0:                       # let this many lookups pass first (prepare is one)
+        if skip > 0:                       # let this many lookups pass first (one per refit)
             actor.rr_fault = (kind, skip - 1)
         else:
             actor.rr_fault = None
@@ -118,8 +118,9 @@ def lookup(actor):
     return actor.tensors
 
 
-def arm(actor, kind, skip=1):
-    """Misbehave at lookup number skip+1 from now: skip=1 is the next refit's run phase."""
+def arm(actor, kind, skip=0):
+    """Misbehave at lookup number skip+1 from now: skip=0 is the next refit's (each refit
+    looks its tensors up once, before the processes agree to move bytes)."""
     ray.get(actor.__ray_call__.remote(lambda self: setattr(self, "rr_fault", (kind, skip))))
 
 
@@ -147,7 +148,7 @@ def test_killed_before_refit(rig, side, rank):
     ray.kill(victim, no_restart=True)
     err = failing_refit(rig, f"{side}{rank} dead before", TIMEOUT + MARGIN)
     assert err.failed_ranks == ((side, rank),), err
-    assert f"refit failed in prepare on {side} rank {rank}" in str(err)
+    assert f"refit failed in run on {side} rank {rank}" in str(err)
     assert "died" in str(err)
     # Same layouts, a replacement actor in the dead one's place.
     fresh = rig.spare(0 if side == "src" else 1)
@@ -160,7 +161,7 @@ def test_killed_before_refit(rig, side, rank):
 def test_source_exits_during_run_then_new_layouts(rig):
     old = rig.snapshot_old()
     src, dst = rig.src, rig.dst
-    arm(src[0], "exit")                              # passes prepare, dies in run
+    arm(src[0], "exit")                              # dies in run, at its lookup
     err = failing_refit(rig, "src0 exits in run", TIMEOUT + MARGIN)
     assert err.failed_ranks == (("src", 0),), err
     assert "refit failed in run on src rank 0: process 0 died" in str(err)
@@ -218,7 +219,7 @@ def test_busy_actor_named_within_deadline(rig):
     busy = src[1].__ray_call__.remote(lambda self: time.sleep(TIMEOUT + GRACE + 3))
     err = failing_refit(rig, "src1 busy", TIMEOUT + GRACE + MARGIN)
     assert err.failed_ranks == (("src", 1),), err
-    assert "refit failed in prepare on src rank 1: process 1 did not finish within" in str(err)
+    assert "refit failed in run on src rank 1: process 1 did not finish within" in str(err)
     assert all(same_raw(a, b) for a, b in zip(before, raw(dst)))
     ray.get(busy)
     rig.group.update()                               # same actors, group rebuilt

@@ -163,8 +163,9 @@ def test_source_dying_before_commit_still_completes_the_refit(cluster):
         assert g.refit(specs).version == 3 and exact(dst, specs, fulls)
 
 
-@pytest.mark.parametrize("atomic", [True, False])
-def test_destination_dying_in_commit_rolls_the_others_back(cluster, atomic):
+def test_destination_dying_in_commit_rolls_the_others_back(cluster):
+    """Atomic refits commit in a second call (non-atomic ones have none)."""
+    atomic = True
     src, dst = actors(2, 0), actors(2, 1, max_restarts=0)
     specs = {"w": spec()}
     with rr.ReshardGroup(src, dst, timeout_s=10) as g:
@@ -255,50 +256,68 @@ def test_empty_tensors(pair, strategy):
         assert res.version == 2
 
 
-def _raise_in_run(actor):
-    """Tensors as usual at validation (prepare), then a failure in the run phase."""
-    actor.calls = getattr(actor, "calls", 0) + 1
-    if actor.calls >= 2:
-        raise RuntimeError("tensor lookup failed in run")
-    return actor.tensors
+def _raise_after_checks(self):
+    """In this actor's process, the next refit fails once every process's checks passed
+    (where an out-of-memory in atomic staging or a snapshot copy would)."""
+    from ray_reshard.runtime import executor
+    real = executor.run_program
+
+    def failing(*args, **kwargs):
+        executor.run_program = real
+        raise MemoryError("staging allocation failed")
+    executor.run_program = failing
 
 
-def _bad_shape_in_run(actor):
-    actor.calls = getattr(actor, "calls", 0) + 1
-    if actor.calls >= 2:
-        return {k: v[:1] for k, v in actor.tensors.items()}
-    return actor.tensors
-
-
-@pytest.mark.parametrize("fault", [_raise_in_run, _bad_shape_in_run])
-def test_failure_in_run_phase_fails_fast(pair, fault):
-    """A rank failing before its executor starts wakes every peer: RefitError in seconds,
-    naming it, not at the deadline; update() brings the group back."""
+def test_failure_after_checks_fails_fast(pair):
+    """A rank failing after the processes agreed to move bytes wakes every peer: RefitError
+    in seconds, naming it and its cause, not at the deadline; update() brings the group back."""
     src, dst = pair
     specs = {"w": spec((256, 256))}
     timeout = 20.0
-
-    def tensors(actor):
-        if actor is not None and getattr(actor, "faulty", False):
-            return fault(actor)
-        return actor.tensors
-
-    with rr.ReshardGroup(src, dst, timeout_s=timeout, tensors=tensors) as g:
+    with rr.ReshardGroup(src, dst, timeout_s=timeout) as g:
         load(src, dst, specs, 0)
         g.refit(specs)
-        ray.get(dst[1].__ray_call__.remote(lambda self: self.__dict__.update(faulty=True,
-                                                                            calls=0)))
+        ray.get(dst[1].__ray_call__.remote(_raise_after_checks))
         t0 = time.monotonic()
-        with pytest.raises(rr.RefitError, match=r"dst rank 1") as info:
+        with pytest.raises(rr.RefitError, match=r"dst rank 1.*staging allocation failed") as info:
             g.refit(specs)
         took = time.monotonic() - t0
-        assert ("dst", 1) in info.value.failed_ranks
+        assert info.value.failed_ranks == (("dst", 1),)
         assert took < timeout / 2, f"{took:.1f} s to RefitError"
-        ray.get(dst[1].__ray_call__.remote(lambda self: setattr(self, "faulty", False)))
         g.update()
         fulls = load(src, dst, specs, 1)
         g.refit(specs)
         assert exact(dst, specs, fulls)
+
+
+def test_lookup_failure_refuses_the_refit_everywhere(pair):
+    """A tensors() lookup that raises in one process: every process is told before any byte
+    moves (one call per refit: they agree through the group's store), the refit is refused
+    naming it, and the group stays usable (no update() needed)."""
+    src, dst = pair
+    specs = {"w": spec((256, 256))}
+
+    def tensors(actor):
+        if getattr(actor, "faulty", False):
+            raise RuntimeError("tensor lookup failed")
+        return actor.tensors
+
+    with rr.ReshardGroup(src, dst, timeout_s=20.0, tensors=tensors) as g:
+        fulls = load(src, dst, specs, 0)
+        g.refit(specs)
+        before = ray.get(dst[0].get.remote())
+        load(src, [], specs, 1)
+        ray.get(dst[1].__ray_call__.remote(lambda self: setattr(self, "faulty", True)))
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match=r"(?s)refused before moving any byte.*"
+                                             r"dst rank 1.*tensor lookup failed"):
+            g.refit(specs)
+        assert time.monotonic() - t0 < 5
+        assert torch.equal(ray.get(dst[0].get.remote())["w"], before["w"])
+        assert g.version == 1 and g.versions() == [1] * 4
+        ray.get(dst[1].__ray_call__.remote(lambda self: setattr(self, "faulty", False)))
+        fulls = load(src, dst, specs, 2)
+        assert g.refit(specs).version == 2 and exact(dst, specs, fulls)
 
 
 def test_stopped_node_helper_is_a_refit_error_within_the_deadline(cluster):

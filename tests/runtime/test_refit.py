@@ -236,3 +236,38 @@ def test_cached_program_sees_in_place_writes_and_rebound_storage(actors):
         fill(dst, specs, fulls2, "dst")
         group.refit(specs)
         check(dst, specs, fulls2)
+
+
+def test_checks_rerun_when_a_parameter_is_rebound(actors):
+    """Each refit checks the local tensors once; the full check is skipped only while every
+    tensor keeps its memory and layout. A parameter rebound in place (`param.data = ...`, the
+    same tensor object with new storage) is seen: a right-shaped one is written, a wrong-shaped
+    one refuses the refit before any byte moves."""
+    src, dst = actors[:2], actors[2:4]
+    specs = {"w": rr.TensorSpec((8, 6), torch.float32, L([0, 1], Shard(0)), L([0, 1], Shard(1)))}
+    fulls = {"w": torch.randn(8, 6)}
+    fill(src, specs, fulls, "src")
+    fill(dst, specs, fulls, "dst")
+    with rr.ReshardGroup(src, dst) as group:
+        group.refit(specs)
+        check(dst, specs, fulls)
+
+        def rebind(shape):
+            def fn(actor):
+                p = torch.nn.Parameter(actor.tensors["w"], requires_grad=False)
+                actor.tensors["w"] = p
+                p.data = torch.full(shape, -1.0)
+                return p.data_ptr()
+            return fn
+
+        ray.get(dst[1].__ray_call__.remote(rebind((8, 3))))   # new storage, right shape
+        group.refit(specs)
+        check(dst, specs, fulls)
+        ray.get(dst[1].__ray_call__.remote(rebind((8, 3))))
+        group.refit(specs)                                     # a Parameter rebound again
+        check(dst, specs, fulls)
+        before = ray.get(dst[0].get.remote())["w"].clone()
+        ray.get(dst[1].__ray_call__.remote(rebind((8, 2))))   # wrong shape: refused
+        with pytest.raises(ValueError, match=r"'w' on dst rank 1: local shard has shape"):
+            group.refit(specs)
+        assert torch.equal(ray.get(dst[0].get.remote())["w"], before)

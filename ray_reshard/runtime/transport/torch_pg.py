@@ -254,6 +254,29 @@ class TorchPGGroup(BaseGroup):
                                       ranks)
         return _BoundPG(self, self._subgroups[ranks][0])
 
+    # -- agreement
+    def vote(self, name: str, ok: bool, deadline: float) -> int:
+        """Every member says whether it can go on; returns how many said no (every member
+        gets the same count). Store keys only (no collective, whatever the backend); waits
+        until `deadline` at most, and an abort from any member ends the wait at once.
+        Ballots must be cast in the same order everywhere; each member clears its key of the
+        previous ballot (every member has passed it by the time this one completes)."""
+        store = self._gstore
+        if not ok:
+            store.add(f"{name}/no", 1)
+        store_barrier(store, name, self.rank, self.world_size, deadline,
+                      f"refit check ({name})", self._raise_if_aborted)
+        refused = store.add(f"{name}/no", 0)
+        last, self._last_vote = getattr(self, "_last_vote", None), name
+        if last is not None:
+            try:
+                store.delete_key(f"{last}/{self.rank}")
+                if self.rank == 0:
+                    store.delete_key(f"{last}/no")
+            except Exception:
+                pass
+        return refused
+
     # -- abort
     @property
     def aborted(self) -> Optional[str]:
@@ -465,17 +488,22 @@ def abort_group(address: tuple[str, int], group_name: str, reason: str,
         return False
 
 
-def store_barrier(store, name: str, rank: int, world: int, deadline: float, what: str) -> None:
+def store_barrier(store, name: str, rank: int, world: int, deadline: float, what: str,
+                  check: Optional[Callable[[str], None]] = None) -> None:
     """Wait until every rank set `name/<rank>` in `store` (or raise TransportTimeout naming the
-    missing ranks at `deadline`)."""
+    missing ranks at `deadline`). `check(what)` runs between short waits (it raises to stop
+    waiting, e.g. when the group was aborted)."""
     store.set(f"{name}/{rank}", b"1")
     keys = [f"{name}/{r}" for r in range(world)]
+    step = 1.0 if check is None else ABORT_POLL_S
     while True:
         left = deadline - time.monotonic()
         try:
-            store.wait(keys, datetime.timedelta(seconds=max(min(left, 1.0), 0.001)))
+            store.wait(keys, datetime.timedelta(seconds=max(min(left, step), 0.001)))
             return
         except Exception:
+            if check is not None:
+                check(what)
             if time.monotonic() >= deadline:
                 missing = [r for r, k in enumerate(keys) if not _has(store, k)]
                 raise TransportTimeout(f"{what}: ranks {missing} did not arrive") from None
