@@ -74,7 +74,21 @@ def main(argv=None) -> int:
         dst = [Holder.options(resources={"node1": 1}).remote() for _ in range(4)]
         print(f"TP4 (4 actors, node A) -> TP2 x DP2 (4 actors, node B), fp32, {args.mb} MiB per "
               f"case; median of {args.repeats} after a warm-up")
-        head = f"{'tensors':<18} {'reshard s':>9} {'object store s':>14} {'ratio':>6}"
+        def noop(actor):
+            return {"seconds": 0.0}
+
+        def ray_floor():          # one no-op call to every actor, the way a refit calls them
+            t0 = time.perf_counter()
+            ray.get([a.__ray_call__.remote(noop) for a in src + dst])
+            return time.perf_counter() - t0
+
+        ray_floor()
+        floor = statistics.median(ray_floor() for _ in range(20))
+        print(f"driver ms: the driver's wall time around refit() minus the slowest actor's call "
+              f"(a no-op call to all 8 actors takes {floor * 1e3:.1f} ms here); check ms: the "
+              f"slowest actor's tensor lookup and checks")
+        head = (f"{'tensors':<18} {'reshard s':>9} {'object store s':>14} {'ratio':>6} "
+                f"{'driver ms':>9} {'check ms':>8}")
         print(head)
         print("-" * len(head))
         for rows, cols in SHAPES:
@@ -96,11 +110,13 @@ def main(argv=None) -> int:
 
             with rr.ReshardGroup(src, dst, bucket_bytes=16 << 20) as g:
                 g.refit(specs)
-                walls = []             # the driver's wall time around refit()
+                walls, extra, checks = [], [], []   # the driver's wall time around refit()
                 for _ in range(args.repeats):
                     t0 = time.perf_counter()
-                    g.refit(specs)
+                    res = g.refit(specs)
                     walls.append(time.perf_counter() - t0)
+                    extra.append(walls[-1] - max(p["seconds"] for p in res.per_process))
+                    checks.append(max(p["clock"].get("check", 0.0) for p in res.per_process))
             want = ray.get([a.digest.remote() for a in dst])
             ray.get([a.make.remote(shapes("dst", r), False) for r, a in enumerate(dst)])
             object_store()
@@ -109,7 +125,8 @@ def main(argv=None) -> int:
             if not np.allclose(want, got, rtol=1e-9, atol=1e-6):
                 raise RuntimeError(f"results differ: reshard {want} vs object store {got}")
             t_wall = statistics.median(walls)
-            print(f"{n:>5} x {rows}x{cols:<7} {t_wall:>9.3f} {t_os:>14.3f} {t_os / t_wall:>5.2f}x",
+            print(f"{n:>5} x {rows}x{cols:<7} {t_wall:>9.3f} {t_os:>14.3f} {t_os / t_wall:>5.2f}x "
+                  f"{statistics.median(extra) * 1e3:>9.1f} {statistics.median(checks) * 1e3:>8.1f}",
                   flush=True)
     return 0
 

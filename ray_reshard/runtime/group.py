@@ -200,7 +200,7 @@ class ReshardGroup:
         """(program id, plan, whether it was planned now). Spec sets are compared whole, so
         two different sets never share a program; the least recently used beyond
         `max_programs` are evicted, in the actors too."""
-        items = tuple(specs.items())
+        items = _SpecSet(specs)
         hit = self._plans.get(items)
         if hit is not None:
             self._plans.move_to_end(items)
@@ -482,37 +482,44 @@ class ReshardGroup:
         pids = list(range(len(refs))) if pids is None else list(pids)
         grace = 5.0
         t_end = time.monotonic() + timeout + grace
+        index = {r: i for i, r in enumerate(refs)}
+        outcome: dict = {}                    # i -> (True, result) or (False, error)
         not_ready = list(refs)
         while not_ready:
             left = t_end - time.monotonic()
             if left <= 0:
                 break
             ready, not_ready = ray.wait(not_ready, num_returns=1, timeout=left)
-            error = _error_of(ready[0]) if ready else None
-            if error is not None:
-                t_end = min(t_end, time.monotonic() + SETTLE_S)
-                dead = pids[refs.index(ready[0])]
-                lost = isinstance(error, RayActorError) or \
-                    isinstance(getattr(error, "cause", None), GroupStateLost)
-                if lost and not_ready and dead != 0:
-                    # A dead process (or one that lost its group state) aborts nothing itself:
-                    # wake the live ones blocked on it (process 0 hosts the store: its
-                    # members notice that loss themselves).
-                    self._abort_members(f"process {dead} {'died' if isinstance(error, RayActorError) else 'lost its group state'} during {phase}")
+            if not ready:
+                continue
+            i = index[ready[0]]
+            try:
+                outcome[i] = (True, ray.get(ready[0]))
+                continue
+            except Exception as e:
+                outcome[i] = (False, e)
+            t_end = min(t_end, time.monotonic() + SETTLE_S)
+            error = outcome[i][1]
+            died = isinstance(error, RayActorError)
+            if not_ready and pids[i] != 0 and (
+                    died or isinstance(getattr(error, "cause", None), GroupStateLost)):
+                # A dead process (or one that lost its group state) aborts nothing itself:
+                # wake the live ones blocked on it (process 0 hosts the store: its members
+                # notice that loss themselves).
+                self._abort_members(f"process {pids[i]} "
+                                    f"{'died' if died else 'lost its group state'} during {phase}")
         not_ready = set(not_ready)
         results, failed, messages = {}, [], []
         waiting, waiting_msgs = [], []        # failed only because a peer did (transport errors)
-        for i, r in enumerate(refs):
-            if r in not_ready:
-                continue
-            try:
-                results[i] = ray.get(r)
-            except RayActorError as e:
+        for i, (ok, value) in outcome.items():
+            if ok:
+                results[i] = value
+            elif isinstance(value, RayActorError):
                 failed.append(pids[i])
-                messages.append(_describe(pids[i], e))
-            except RayTaskError as e:
-                cause = e.cause if getattr(e, "cause", None) is not None else e
-                text = _describe(pids[i], e)
+                messages.append(_describe(pids[i], value))
+            else:
+                cause = value.cause if getattr(value, "cause", None) is not None else value
+                text = _describe(pids[i], value)
                 if isinstance(cause, TransportError):
                     waiting.append(pids[i])
                     waiting_msgs.append(text)
@@ -694,15 +701,6 @@ class PendingRefit:
 SETTLE_S = 3.0
 
 
-def _error_of(ref) -> Optional[Exception]:
-    """What a finished call raised (RayActorError: its process died), or None."""
-    try:
-        ray.get(ref, timeout=0)
-        return None
-    except Exception as e:
-        return e
-
-
 def _describe(proc: int, e: Exception) -> str:
     """One process's failure, with the cause's own text (several lines kept: NCCL and torch
     put the reason after the first line)."""
@@ -717,6 +715,23 @@ def _describe(proc: int, e: Exception) -> str:
     if len(text) > 800:
         text = text[:800] + " ..."
     return f"process {proc}: {type(cause).__name__}: {text}"
+
+
+class _SpecSet:
+    """A spec set as a cache key: compared whole (two different sets never share a program),
+    hashed once."""
+
+    __slots__ = ("items", "hash")
+
+    def __init__(self, specs: Mapping[str, TensorSpec]):
+        self.items = tuple(specs.items())
+        self.hash = hash(self.items)
+
+    def __hash__(self):
+        return self.hash
+
+    def __eq__(self, other):
+        return isinstance(other, _SpecSet) and self.items == other.items
 
 
 def _refuse(problems_per_process) -> None:
