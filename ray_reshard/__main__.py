@@ -46,6 +46,9 @@ OWN_PARSERS = {
     "bench-object-store": ("ray_reshard.bench.object_store",
                            "reshard vs the Ray object store (zero-copy numpy) on local actors",
                            lambda m, rest: m.main(rest)),
+    "bench-ring-wakeup": ("ray_reshard.bench.ring_wakeup",
+                          "shared-memory ring wake-up latency: futex vs sleeping",
+                          lambda m, rest: m.main(rest)),
 }
 
 

@@ -230,6 +230,13 @@ def test_bench_object_store_small(address):
     assert len(rows) == 3 and all(float(x) > 0 for row in rows for x in row)
 
 
+def test_bench_ring_wakeup_small():
+    out = run("-m", "ray_reshard", "bench-ring-wakeup", "--rounds", "20").stdout
+    futex = figure(r"futex wake-up\s+" + NUM + r"\s+" + NUM + r"\s+" + NUM, out)
+    sleep = figure(r"sleep with back-off\s+" + NUM + r"\s+" + NUM + r"\s+" + NUM, out)
+    assert all(x > 0 for x in futex[:2] + sleep[:2])
+
+
 def test_bench_replay_small():
     out = run("-m", "ray_reshard", "bench-replay", "--model", "qwen3-235b", "--repeat", "1").stdout
     rows = [line.split() for line in out.splitlines() if re.search(r"\s(dst|src)\d+\s", line)]

@@ -19,9 +19,14 @@ counter stores and loads go through libatomic with sequentially consistent order
 is present (so the ordering also holds on weakly ordered CPUs such as aarch64); without libatomic
 they are plain aligned 8-byte stores and loads, which is correct on x86 (TSO).
 
-A blocked side waits by spinning briefly, then sleeping with exponential back-off capped at 1 ms,
-and gives up with :class:`TransportTimeout` at its deadline, or with :class:`TransportError` when
-either side called :meth:`ShmRing.abort` or the peer process is gone.
+A blocked side spins briefly, then sleeps on a futex on the counter it waits for (the low 32 bits
+of ``produced`` or ``consumed``: the kernel sleeps only while that word still holds the value the
+waiter last saw, so a bump between the check and the sleep is never missed); each side wakes the
+other's futex after bumping its counter, and :meth:`ShmRing.abort` wakes both. Where futexes are
+not available (not Linux on x86-64 or aarch64) it sleeps with exponential back-off capped at 1 ms
+instead. A waiter also wakes every 0.1 s to check that the peer process is alive, and gives up with
+:class:`TransportTimeout` at its deadline, or with :class:`TransportError` when either side called
+:meth:`ShmRing.abort` or the peer process is gone.
 
 Lifetime: :meth:`ShmRing.unlink` removes the name; existing mappings stay valid, so a segment can be
 unlinked as soon as both sides have attached, after which nothing can leak even if the processes
@@ -35,8 +40,10 @@ import ctypes.util as ctypes_util
 import fcntl
 import mmap
 import os
+import platform
 import re
 import secrets
+import sys
 import time
 from typing import Callable, Optional
 
@@ -178,6 +185,53 @@ class _Atomics:
 _atomics: Optional[_Atomics] = None
 
 
+class _Futex:
+    """FUTEX_WAIT / FUTEX_WAKE on a 32-bit word of shared memory (process-shared: no
+    FUTEX_PRIVATE_FLAG), through libc's syscall(); `ok` is False where unavailable."""
+
+    _WAIT, _WAKE = 0, 1
+    _NR = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}
+
+    class _Timespec(ctypes.Structure):
+        _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+    def __init__(self):
+        self.ok = False
+        nr = self._NR.get(platform.machine().lower())
+        if nr is None or not sys.platform.startswith("linux") or \
+                os.environ.get("RAY_RESHARD_SHM_NO_FUTEX"):
+            return
+        try:
+            self._syscall = ctypes.CDLL(None, use_errno=True).syscall
+        except (OSError, AttributeError):
+            return
+        self._nr = ctypes.c_long(nr)
+        self.ok = True
+
+    def wait(self, addr: int, expected: int, timeout_s: float) -> None:
+        """Sleep while the word at `addr` equals `expected` (low 32 bits), at most `timeout_s`;
+        returns early on a wake-up, a signal, or a changed word."""
+        ts = self._Timespec(int(timeout_s), int((timeout_s % 1.0) * 1e9))
+        self._syscall(self._nr, ctypes.c_void_p(addr), ctypes.c_int(self._WAIT),
+                      ctypes.c_uint32(expected & 0xFFFFFFFF), ctypes.byref(ts),
+                      ctypes.c_void_p(None), ctypes.c_int(0))
+
+    def wake(self, addr: int) -> None:
+        self._syscall(self._nr, ctypes.c_void_p(addr), ctypes.c_int(self._WAKE),
+                      ctypes.c_int(0x7FFFFFFF), ctypes.c_void_p(None), ctypes.c_void_p(None),
+                      ctypes.c_int(0))
+
+
+_futex: Optional[_Futex] = None
+
+
+def _get_futex() -> _Futex:
+    global _futex
+    if _futex is None:
+        _futex = _Futex()
+    return _futex
+
+
 def _get_atomics() -> _Atomics:
     global _atomics
     if _atomics is None:
@@ -203,6 +257,7 @@ class _Segment:
         self._anchor = ctypes.c_char.from_buffer(mm)   # pins the buffer; gives the base address
         self._base = ctypes.addressof(self._anchor)
         self._atomic = _get_atomics()
+        self._futex = _get_futex()
         self._pidns = _pidns()
         self._role: Optional[str] = None
         self._send_idx: Optional[int] = None
@@ -369,6 +424,12 @@ class _Segment:
         self._mm[_OFF_REASON:_OFF_REASON + _REASON_BYTES] = raw.ljust(_REASON_BYTES, b"\0")
         self._store(_OFF_ABORT_PID, os.getpid())
         self._store(_OFF_ABORT, ABORT_REQUESTED)
+        self._wake(_OFF_PRODUCED)
+        self._wake(_OFF_CONSUMED)
+
+    def _wake(self, off: int) -> None:
+        if self._futex.ok:
+            self._futex.wake(self._base + off)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -394,14 +455,19 @@ class _Segment:
             return None
         return None if _pid_alive(pid) else pid
 
-    def _wait(self, ready: Callable[[], bool], deadline: Optional[float], what: str) -> None:
+    def _wait(self, ready: Callable[[], bool], deadline: Optional[float], what: str,
+              word: Optional[int] = None) -> None:
+        """Wait until `ready()`; `word` is the header offset of the counter whose change can
+        make it so (a futex waits on it), or None (sleep with back-off)."""
         if deadline is None:
             deadline = float("inf")
         start = time.monotonic()
         next_peer_check = start + _PEER_CHECK_S
         delay = _MIN_SLEEP_S
+        futex = self._futex if (word is not None and self._futex.ok) else None
         while True:
             self._check_abort()
+            seen = self._load(word) if futex is not None else 0
             if ready():
                 return
             now = time.monotonic()
@@ -415,6 +481,10 @@ class _Segment:
                 if gone is not None:
                     raise TransportError(f"ring {self.name!r}: peer process {gone} exited "
                                          f"while this side waited for {what}")
+            if futex is not None:
+                futex.wait(self._base + word, seen,
+                           max(min(deadline, next_peer_check) - now, 1e-6))
+                continue
             time.sleep(min(delay, max(deadline - now, 0.0)))
             delay = min(delay * 2, _MAX_SLEEP_S)
 
@@ -430,7 +500,8 @@ class _Segment:
         self._register("producer")
         produced = self._load(_OFF_PRODUCED)
         slots = self.slots
-        self._wait(lambda: produced - self._load(_OFF_CONSUMED) < slots, deadline, "a free slot")
+        self._wait(lambda: produced - self._load(_OFF_CONSUMED) < slots, deadline, "a free slot",
+                   _OFF_CONSUMED)
         idx = produced % slots
         self._send_idx, self._send_n = idx, nbytes
         return idx
@@ -443,6 +514,7 @@ class _Segment:
         self._check_abort()
         self._store(_OFF_LENGTHS + 8 * idx, n)
         self._store(_OFF_PRODUCED, self._load(_OFF_PRODUCED) + 1)
+        self._wake(_OFF_PRODUCED)
         self._send_idx = None
 
     def _acquire_recv(self, deadline: float):
@@ -452,7 +524,8 @@ class _Segment:
             raise RuntimeError("recv_slot called again before release_recv")
         self._register("consumer")
         consumed = self._load(_OFF_CONSUMED)
-        self._wait(lambda: self._load(_OFF_PRODUCED) > consumed, deadline, "a published slot")
+        self._wait(lambda: self._load(_OFF_PRODUCED) > consumed, deadline, "a published slot",
+                   _OFF_PRODUCED)
         idx = consumed % self.slots
         n = self._load(_OFF_LENGTHS + 8 * idx)
         self._recv_idx = idx
@@ -463,6 +536,7 @@ class _Segment:
         if self._recv_idx is None:
             raise RuntimeError("release_recv without a preceding recv_slot")
         self._store(_OFF_CONSUMED, self._load(_OFF_CONSUMED) + 1)
+        self._wake(_OFF_CONSUMED)
         self._recv_idx = None
 
     def pending(self) -> int:
