@@ -270,7 +270,7 @@ def run_program(prog: Program, views: dict, tr: Transports, deadline: float) -> 
 def transports(wg, window: Optional[int] = None) -> Transports:
     """The channels of a process's group membership (process group, rings, device)."""
     return Transports(NetChannel(wg.pg), RingChannel(wg.rings_out, wg.rings_in), wg.device,
-                      window or default_window(wg.bucket_bytes))
+                      window or getattr(wg, "window", None) or default_window(wg.bucket_bytes))
 
 
 # ---------------------------------------------------------------------------- strategies

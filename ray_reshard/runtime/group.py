@@ -19,6 +19,7 @@ from ..core.spec import TensorSpec
 from ..errors import GroupStateLost, RefitError, TransportError
 from . import membership, metrics, worker
 from .membership import Members, actor_key
+from .executor import DEFAULT_STAGING_BYTES, MAX_WINDOW, default_window
 from .transport import torch_pg
 from .transport.devices import choose_backend
 
@@ -73,6 +74,8 @@ class ReshardGroup:
 
     Plans and installed programs are kept for the `max_programs` spec sets used most recently.
     Calls on one group are serialised (a refit from another thread waits for the running one).
+    Each process keeps up to `window` network buckets in flight (its staging memory is at most
+    `window * bucket_bytes`; default: as many as fit in 128 MiB, 2 to 16).
     """
 
     def __init__(self, src_actors: Sequence[Any], dst_actors: Sequence[Any], *,
@@ -81,7 +84,7 @@ class ReshardGroup:
                  timeout_s: Optional[float] = None, setup_timeout_s: float = 120.0,
                  src_domains: Optional[Sequence[Any]] = None,
                  dst_domains: Optional[Sequence[Any]] = None,
-                 max_programs: int = DEFAULT_MAX_PROGRAMS):
+                 max_programs: int = DEFAULT_MAX_PROGRAMS, window: Optional[int] = None):
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if backend not in ("auto", "gloo", "nccl"):
@@ -92,6 +95,11 @@ class ReshardGroup:
                              f"({MAX_BUCKET_BYTES >> 20} MiB), got {bucket_bytes!r}")
         if not isinstance(max_programs, int) or isinstance(max_programs, bool) or max_programs < 1:
             raise ValueError(f"max_programs must be a positive int, got {max_programs!r}")
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or
+                                   not 1 <= window <= MAX_WINDOW):
+            raise ValueError(f"window must be an int in 1..{MAX_WINDOW} (or None: as many "
+                             f"buckets as fit in {DEFAULT_STAGING_BYTES >> 20} MiB, at least "
+                             f"2), got {window!r}")
         _check_timeout(timeout_s)
         if not ray.is_initialized():
             raise RuntimeError("Ray is not initialized: call ray.init() before building a "
@@ -99,6 +107,8 @@ class ReshardGroup:
         self._ray_session = membership.session()[0]
         self.strategy, self.bucket_bytes, self.timeout_s = strategy, bucket_bytes, timeout_s
         self.max_programs = max_programs
+        # Network buckets in flight per process (staging memory: window x bucket_bytes).
+        self.window = window or default_window(bucket_bytes)
         self._lock = threading.RLock()      # one refit / update / close at a time
         self._pending: Optional[PendingRefit] = None
         self._program_ids = itertools.count()
@@ -161,7 +171,8 @@ class ReshardGroup:
         world = len(self._procs)
         refs = [a.__ray_call__.remote(worker.setup, self.group_id, self.group_name, world, p,
                                       backend, self._ep_pid, infos[p]["device"], self._tensors_fn,
-                                      self.bucket_bytes, self.setup_timeout_s, self._version)
+                                      self.bucket_bytes, self.setup_timeout_s, self._version,
+                                      self.window)
                 for p, a in enumerate(self._procs)]
         joined = self._collect(refs, self.setup_timeout_s, "setup")
         self._store_address = joined[0]["store"]

@@ -70,6 +70,7 @@ class _WorkerGroup:
     tensors_fn: Optional[Callable]
     bucket_bytes: int
     pg: Any = None
+    window: Optional[int] = None      # network buckets in flight (None: from bucket_bytes)
     rings_out: dict = field(default_factory=dict)
     rings_in: dict = field(default_factory=dict)
     programs: dict = field(default_factory=dict)
@@ -92,7 +93,7 @@ def probe(actor) -> dict:
 
 def setup(actor, group_id: str, group_name: str, world: int, pid: int, backend: str,
           ep_pid: dict, device: str, tensors_fn, bucket_bytes: int, timeout_s: float,
-          version: int = 0) -> dict:
+          version: int = 0, window: Optional[int] = None) -> dict:
     """Join the group's collective group (blocks until all members joined, at most
     `timeout_s`). `version` is the group's current version (kept across update()).
     Returns this process's index and the address of the group's store."""
@@ -107,7 +108,7 @@ def setup(actor, group_id: str, group_name: str, world: int, pid: int, backend: 
     eps = frozenset(ep for ep, p in ep_pid.items() if p == pid)
     _GROUPS[group_id] = _WorkerGroup(group_id, group_name, pid, eps, dict(ep_pid),
                                      torch.device(device), tensors_fn, bucket_bytes, pg,
-                                     version=version)
+                                     version=version, window=window)
     return {"proc": pid, "store": pg.store_address}
 
 

@@ -271,3 +271,21 @@ def test_checks_rerun_when_a_parameter_is_rebound(actors):
         with pytest.raises(ValueError, match=r"'w' on dst rank 1: local shard has shape"):
             group.refit(specs)
         assert torch.equal(ray.get(dst[0].get.remote())["w"], before)
+
+
+@pytest.mark.parametrize("window", [1, 3])
+def test_window_bounds_staging(actors, window):
+    """`window` network buckets in flight per process: staging never exceeds window buckets,
+    and the result is the same whatever the window."""
+    src, dst = actors[:4], actors[4:]
+    specs, fulls = mixed_specs()
+    fill(src, specs, fulls, "src")
+    fill(dst, specs, fulls, "dst")
+    with rr.ReshardGroup(src, dst, bucket_bytes=2048, window=window) as group:
+        assert group.window == window
+        res = group.refit(specs)
+        check(dst, specs, fulls)
+        assert 0 < res.peak_staging_bytes <= window * 2048
+    for bad in (0, 17, 2.0, True):
+        with pytest.raises(ValueError, match="window must be an int in 1..16"):
+            rr.ReshardGroup(src, dst, window=bad)
