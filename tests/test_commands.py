@@ -208,10 +208,12 @@ def test_plan_from_a_config_json(tmp_path, capsys):
 def test_bench_faults_small(address):
     out = run("-m", "ray_reshard", "bench-faults", "--timeout", "4",
               RAY_RESHARD_CLUSTER_ADDRESS=address).stdout
+    refused, = figure(r"lookup raises\s+" + NUM + " s", out)
     raised, = figure(r"raise in run\s+" + NUM + " s", out)
     killed, = figure(r"killed before refit\s+" + NUM + " s", out)
     hung, = figure(r"hung rank\s+" + NUM + " s", out)
-    assert raised < 4 and killed < 4 and hung >= 4      # only a hang waits for the deadline
+    # only a hang waits for the deadline
+    assert refused < 4 and raised < 4 and killed < 4 and hung >= 4
 
 
 def test_bench_overlap_small(address):

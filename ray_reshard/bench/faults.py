@@ -1,11 +1,13 @@
-"""Seconds from a fault to RefitError, for each kind of fault, on a local two-node cluster.
+"""Seconds from a fault to the refit's error, for each kind of fault, on a local two-node cluster.
 
     ray-reshard bench-faults [--timeout 10] [--repeats 1]
 
 Two source actors on one node, two destination replicas on the other (network and a
-shared-memory ring both used). Each fault is armed in one destination, the refit is timed from
-the call to the RefitError (the fault strikes at the start of the run phase, so that is the
-fault-to-error time), then update() repairs the group and a good refit checks it.
+shared-memory ring both used). Each fault is armed in one destination and strikes in the refit's
+one call to it: bad tensors at their lookup (the refit is refused everywhere before any byte
+moves: ValueError), other faults once every process's checks passed (RefitError). The refit is
+timed from the call to the error; then update() repairs the group where a fault broke it, and a
+good refit checks it.
 """
 from __future__ import annotations
 
@@ -26,33 +28,42 @@ from ray_reshard.testing import Holder, local_cluster
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 FAULTS = {
-    "raise in run": "the tensor lookup raises",
-    "wrong shape in run": "the tensor lookup returns a wrong shape",
-    "process exit in run": "the process exits (os._exit) at the start of its run",
+    "lookup raises": "the tensor lookup raises: refused (ValueError)",
+    "wrong shape": "the tensor lookup returns a wrong shape: refused (ValueError)",
+    "raise in run": "the run raises once the checks passed (e.g. staging out of memory)",
+    "process exit in run": "the process exits (os._exit) once the checks passed",
     "killed before refit": "ray.kill() right before the refit",
     "hung rank": "the process sleeps past the deadline",
 }
+REFUSED = ("lookup raises", "wrong shape")          # bad input: the group stays usable
 
 
 def _lookup(actor):
-    fault = getattr(actor, "rr_fault", None)
-    if fault is not None:
-        actor.rr_fault = None if fault[1] == 0 else (fault[0], fault[1] - 1)
-        if fault[1] == 0:
-            if fault[0] == "raise in run":
-                raise RuntimeError("injected fault")
-            if fault[0] == "wrong shape in run":
-                return {k: v[:1] for k, v in actor.tensors.items()}
-            if fault[0] == "process exit in run":
-                os._exit(1)
-            if fault[0] == "hung rank":
-                time.sleep(actor.rr_hang_s)
+    fault, actor.rr_fault = getattr(actor, "rr_fault", None), None
+    if fault == "lookup raises":
+        raise RuntimeError("injected fault")
+    if fault == "wrong shape":
+        return {k: v[:1] for k, v in actor.tensors.items()}
+    if fault == "hung rank":
+        time.sleep(actor.rr_hang_s)
     return actor.tensors
 
 
 def _arm(actor, kind, hang_s):
-    actor.rr_fault = (kind, 1)           # pass the prepare lookup, strike in run
-    actor.rr_hang_s = hang_s
+    if kind in ("raise in run", "process exit in run"):
+        # Strike once every process's checks passed, where the executor starts.
+        from ray_reshard.runtime import executor
+        real = executor.run_program
+
+        def strike(*args, **kwargs):
+            executor.run_program = real
+            if kind == "process exit in run":
+                os._exit(1)
+            raise MemoryError("injected fault")
+        executor.run_program = strike
+    else:
+        actor.rr_fault = kind
+        actor.rr_hang_s = hang_s
 
 
 def _specs():
@@ -71,7 +82,8 @@ def _load(src, dst, specs, step):
 
 
 def measure(timeout_s: float = 10.0, repeats: int = 1) -> dict:
-    """{fault kind: [seconds from fault to RefitError, ...]} (a cluster must be connected)."""
+    """{fault kind: [seconds from fault to the refit's error, ...]} (a cluster must be
+    connected)."""
     new = lambda n, node: [Holder.options(resources={f"node{node}": 1}, max_restarts=0).remote()
                            for _ in range(n)]
     src, dst = new(2, 0), new(2, 1)
@@ -93,11 +105,14 @@ def measure(timeout_s: float = 10.0, repeats: int = 1) -> dict:
                     raise AssertionError(f"{kind}: the refit did not fail")
                 except rr.RefitError as e:
                     out[kind].append(time.monotonic() - t0)
-                    assert ("dst", 1) in e.failed_ranks, (kind, e)
+                    assert kind not in REFUSED and ("dst", 1) in e.failed_ranks, (kind, e)
+                except ValueError as e:
+                    out[kind].append(time.monotonic() - t0)
+                    assert kind in REFUSED and "dst rank 1" in str(e), (kind, e)
                 if kind in ("process exit in run", "killed before refit", "hung rank"):
                     replacement = new(1, 1)[0]
                     group.update(dst_actors=[group.dst_actors[0], replacement])
-                else:
+                elif kind not in REFUSED:
                     group.update()
                 full = _load(group.src_actors, group.dst_actors, specs, rep + 1)
                 group.refit(specs)
@@ -116,7 +131,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     with local_cluster(2):
         res = measure(args.timeout, args.repeats)
-    print(f"seconds from fault to RefitError (refit deadline {args.timeout:.0f} s, "
+    print(f"seconds from fault to the refit's error (refit deadline {args.timeout:.0f} s, "
           f"{args.repeats} run(s) each)")
     for kind, secs in res.items():
         print(f"  {kind:<22} {statistics.median(secs):6.2f} s   ({FAULTS[kind]})")

@@ -492,7 +492,8 @@ class ReshardGroup:
         """
         pids = list(range(len(refs))) if pids is None else list(pids)
         grace = 5.0
-        t_end = time.monotonic() + timeout + grace
+        t_deadline = time.monotonic() + timeout
+        t_end = t_deadline + grace
         index = {r: i for i, r in enumerate(refs)}
         outcome: dict = {}                    # i -> (True, result) or (False, error)
         not_ready = list(refs)
@@ -509,7 +510,9 @@ class ReshardGroup:
                 continue
             except Exception as e:
                 outcome[i] = (False, e)
-            t_end = min(t_end, time.monotonic() + SETTLE_S)
+            now = time.monotonic()
+            # Past the deadline, whoever has not answered is hung: no need to settle long.
+            t_end = min(t_end, now + (SETTLE_S if now < t_deadline else LATE_SETTLE_S))
             error = outcome[i][1]
             died = isinstance(error, RayActorError)
             if not_ready and pids[i] != 0 and (
@@ -708,8 +711,10 @@ class PendingRefit:
         return self._result
 
 
-# After a process failed, how long the others get to report before they count as hung.
+# After a process failed, how long the others get to report before they count as hung
+# (LATE_SETTLE_S once the refit's deadline passed: those still busy then are hung).
 SETTLE_S = 3.0
+LATE_SETTLE_S = 0.5
 
 
 def _describe(proc: int, e: Exception) -> str:
