@@ -170,13 +170,16 @@ def replay(args) -> None:
             tr = Transports(LoopbackChannel(), None, torch.device("cpu"),
                             default_window(args.bucket_mb << 20))
             deadline = time.monotonic() + 600
+            # A steady-state refit: the actor's checks found every local tensor as last time,
+            # so the views are the same objects (named by one token) and not re-checked.
+            token = object()
             t0 = time.process_time()
-            small.bind(views)
+            small.bind(views, token)
             t_bind = time.process_time() - t0
             runs, walls = [], []
             for _ in range(args.repeat):
                 t0, c0 = time.perf_counter(), time.process_time()
-                run_program(small, views, tr, deadline)
+                run_program(small, views, tr, deadline, token)
                 runs.append(time.process_time() - c0)
                 walls.append(time.perf_counter() - t0)
             items = small.n_items

@@ -196,14 +196,15 @@ def _signature(storage: dict, names: tuple) -> tuple:
     return tuple(sig)
 
 
-def _views(actor, wg: _WorkerGroup, prog: _Program) -> tuple[dict, list[str], list]:
-    """(side, rank, tensor) -> shard view, every problem found (nothing is written), and the
-    source shards that share memory with a destination shard of this process. Validation runs
-    in full only when a local tensor changed memory or layout since the last one that passed."""
+def _views(actor, wg: _WorkerGroup, prog: _Program) -> tuple[dict, list[str], list, Any]:
+    """(side, rank, tensor) -> shard view, every problem found (nothing is written), the
+    source shards that share memory with a destination shard of this process, and a token
+    naming these view objects (the same while they are reused). Validation runs in full only
+    when a local tensor changed memory or layout since the last one that passed."""
     storage = _storage(actor, wg)
     sig = _signature(storage, prog.storages)
     if prog.checked is not None and prog.checked[0] == sig:
-        return dict(prog.checked[1]), [], prog.checked[2]
+        return dict(prog.checked[1]), [], prog.checked[2], prog.checked[3]
     views, errors = {}, []
     plan = prog.plan
     for sh in prog.shards:
@@ -248,13 +249,14 @@ def _views(actor, wg: _WorkerGroup, prog: _Program) -> tuple[dict, list[str], li
             errors.append(f"{plan.names[ta]!r} and {plan.names[tb]!r} on dst rank {ra}: their "
                           f"local shards share memory, so one would overwrite the other")
     if errors:
-        return views, errors, []
+        return views, errors, [], None
     aliased = _aliased_sources(views)
-    prog.checked = (sig, dict(views), aliased)
-    return views, errors, aliased
+    token = object()
+    prog.checked = (sig, dict(views), aliased, token)
+    return views, errors, aliased, token
 
 
-def _check(actor, wg: _WorkerGroup, prog: _Program) -> tuple[dict, list[str], list]:
+def _check(actor, wg: _WorkerGroup, prog: _Program) -> tuple[dict, list[str], list, Any]:
     """`_views`, with a failing lookup (a broken tensors() callable) reported as a problem."""
     try:
         return _views(actor, wg, prog)
@@ -262,7 +264,7 @@ def _check(actor, wg: _WorkerGroup, prog: _Program) -> tuple[dict, list[str], li
         ranks = ", ".join(f"{ep.side} rank {ep.rank}"
                           for ep in sorted(wg.endpoints, key=lambda ep: (ep.side != "src", ep.rank)))
         return {}, [f"process {wg.pid} ({ranks}): looking up local tensors failed: "
-                    f"{type(e).__name__}: {e}"], []
+                    f"{type(e).__name__}: {e}"], [], None
 
 
 def _aliased_sources(views: dict) -> list:
@@ -307,7 +309,7 @@ def run(actor, group_id: str, key, timeout_s: float, version: int, atomic: bool 
     captured, wg.captured = wg.captured, None
     try:
         prog = wg.programs[key]
-        views, errors, aliased = _check(actor, wg, prog)
+        views, errors, aliased, token = _check(actor, wg, prog)
         if vote is not None:
             t_vote = time.perf_counter()
             refused = wg.pg.vote(vote, not errors, deadline)
@@ -327,6 +329,8 @@ def run(actor, group_id: str, key, timeout_s: float, version: int, atomic: bool 
         copy_first = [] if captured is not None else \
             [k for k in views if k[0] == "src"] if snapshot else \
             ([] if atomic else aliased)
+        if captured is not None or copy_first or atomic:
+            token = None              # some views are copies made for this refit only
         for k in copy_first:
             v = views[k]
             views[k] = v.clone()
@@ -340,7 +344,7 @@ def run(actor, group_id: str, key, timeout_s: float, version: int, atomic: bool 
                     targets[k] = v
                     views[k] = torch.empty_like(v)
                     extra += v.numel() * v.element_size()
-        stats = executor.STRATEGIES[prog.strategy].execute(wg, prog, views, deadline)
+        stats = executor.STRATEGIES[prog.strategy].execute(wg, prog, views, deadline, token)
     except BaseException as e:
         _abort_channels(wg, f"{type(e).__name__}: {e}")
         raise
@@ -373,7 +377,7 @@ def capture(actor, group_id: str, key) -> list[str]:
     overlapped refit: the trainer may change its tensors once every process captured).
     Returns the problems found (nothing is copied then)."""
     wg = _group(group_id)
-    views, errors, _ = _check(actor, wg, wg.programs[key])
+    views, errors, _, _ = _check(actor, wg, wg.programs[key])
     if errors:
         return errors
     copies = {k: v.clone() for k, v in views.items() if k[0] == "src"}

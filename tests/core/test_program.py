@@ -90,3 +90,19 @@ def test_adjacent_contiguous_items_merge_into_one_copy():
     s.send.pack(buf)
     r.recv.unpack(buf)
     assert torch.equal(dst_flat, src_flat)
+
+
+def test_bind_with_the_same_token_checks_nothing_and_a_new_token_rebinds():
+    """A caller that knows the views are the very objects bound last (same token) skips the
+    check; any other token (or none) checks every view as usual."""
+    specs, p = _two_ranks()
+    prog = compile_program(p, [Endpoint("dst", 0)], 1 << 20)
+    shape = lambda k: specs["ab"[k[2]]].shape
+    first = {k: torch.zeros(shape(k)) for k in prog.held}
+    token = object()
+    assert prog.bind(first, token) > 0
+    assert prog.bind(first, token) == 0
+    second = {k: torch.zeros(shape(k)) for k in prog.held}   # new storage
+    assert prog.bind(second, object()) > 0                   # another token: checked, rebuilt
+    assert prog.bind(second, None) == 0                      # checked: nothing changed
+    assert prog.bind(first, None) > 0
