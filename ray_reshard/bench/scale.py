@@ -31,7 +31,8 @@ from ..core.plan import Plan, build_share, plan as make_plan
 from ..core.planner import Endpoint
 from ..core.program import Part, Program, Step, compile_program, per_item_min_bytes
 from ..models import VLLM, Megatron, Recipe
-from ..runtime.executor import LoopbackChannel, Transports, default_window, run_program
+from ..runtime.channel import LoopbackChannel
+from ..runtime.executor import Transports, default_window, run_program
 from ..cli_args import DEEPSEEK_V3, QWEN3_235B
 from .model_bytes import DSV3_PP16, QWEN3_PP8
 

@@ -1,12 +1,7 @@
 """Running one process's compiled program (see core/program.py) over its channels.
 
-Channels. Every transport is reached through one small interface, `Channel`:
-`post(peer, tensor, sending)` starts moving a tensor's bytes to or from a peer and returns a
-handle, `complete(handle, deadline, what)` waits for it, `abort(reason)` fails every peer
-blocked on this process. `NetChannel` is the group's process group (gloo or NCCL: isend/irecv),
-`RingChannel` the shared-memory or CUDA IPC rings to processes on the node (a ring's slot is
-packed in place, so `post` on a ring takes a fill/drain function instead of a tensor and finishes
-at once), `LoopbackChannel` moves nothing (benchmarks replay one process's CPU work with it).
+Channels. Every transport is reached through one small interface, `channel.Channel`
+(post / complete / abort); see `channel.py`.
 
 Order. Steps run in the program's order, which is the global key order every process agrees on
 (see `Schedule`): a posted transfer completes once both of its ends posted it, so the earliest
@@ -15,8 +10,8 @@ buckets and `4 * window` messages); domain buckets over a ring and local copies 
 forwarded piece is sent only once the network bucket that brought it in has completed; it sorts
 one round behind it, so the next round's network receives are already in flight meanwhile.
 
-Strategies (`reshard`, `gather_broadcast`) are objects with `install` (compile this process's
-program) and `execute` (run it), looked up by name in `STRATEGIES`.
+Strategies (`reshard`, `gather_broadcast`) are objects in `strategies.py`; the reshard strategy
+runs its programs with `run_program` here.
 """
 from __future__ import annotations
 
@@ -27,10 +22,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..core.plan import Plan
 from ..core.planner import NETWORK
-from ..core.program import COPY, SEND, Program, compile_program, per_item_min_bytes
-from .transport import torch_pg
+from ..core.program import COPY, SEND, Program
+from .channel import Channel, NetChannel, RingChannel
 
 # Staging memory a process may hold for network buckets in flight, by default.
 DEFAULT_STAGING_BYTES = 128 << 20
@@ -41,80 +35,6 @@ def default_window(bucket_bytes: int, staging_bytes: int = DEFAULT_STAGING_BYTES
     """Staged buckets in flight: as many as fit in `staging_bytes`, at least 2 (double
     buffering), at most MAX_WINDOW."""
     return max(2, min(MAX_WINDOW, staging_bytes // max(1, bucket_bytes)))
-
-
-class Channel:
-    """post / complete / abort: the one interface the executor uses for every transport."""
-
-    def post(self, peer: int, tensor: torch.Tensor, sending: bool) -> Any:
-        raise NotImplementedError
-
-    def complete(self, handle: Any, deadline: float, what: str) -> None:
-        raise NotImplementedError
-
-    def abort(self, reason: str) -> None:
-        pass
-
-
-class NetChannel(Channel):
-    """The group's process group: one isend/irecv per message."""
-
-    def __init__(self, pg):
-        self.pg = pg
-
-    def post(self, peer, tensor, sending):
-        return self.pg.isend(tensor, peer) if sending else self.pg.irecv(tensor, peer)
-
-    def complete(self, handle, deadline, what):
-        torch_pg.wait(handle, deadline, what)
-
-    def abort(self, reason):
-        self.pg.abort()
-
-
-class RingChannel(Channel):
-    """Shared-memory / CUDA IPC rings to processes on this node. A posted bucket is packed into
-    (or unpacked from) the ring's slot in place: `tensor` is a function of the slot."""
-
-    def __init__(self, rings_out: dict, rings_in: dict):
-        self.rings_out, self.rings_in = rings_out, rings_in
-
-    def has(self, peer: int, sending: bool) -> bool:
-        return peer in (self.rings_out if sending else self.rings_in)
-
-    def post(self, peer, tensor, sending, nbytes: int = 0, deadline: float = 0.0):
-        if sending:
-            ring = self.rings_out[peer]
-            slot = ring.send_slot(nbytes, deadline)
-            tensor(slot)
-            ring.commit_send()
-        else:
-            ring = self.rings_in[peer]
-            slot = ring.recv_slot(deadline)
-            tensor(slot)
-            ring.release_recv()
-        return None
-
-    def complete(self, handle, deadline, what):
-        pass
-
-    def abort(self, reason):
-        for ring in [*self.rings_out.values(), *self.rings_in.values()]:
-            try:
-                ring.abort(reason[:200])
-            except Exception:
-                pass
-
-
-class LoopbackChannel(Channel):
-    """Moves nothing: every message completes at once (a received buffer keeps its bytes)."""
-
-    def post(self, peer, tensor, sending):
-        self.messages = getattr(self, "messages", 0) + 1
-        return None
-
-    def complete(self, handle, deadline, what):
-        pass
 
 
 class Staging:
@@ -274,43 +194,3 @@ def transports(wg, window: Optional[int] = None) -> Transports:
     """The channels of a process's group membership (process group, rings, device)."""
     return Transports(NetChannel(wg.pg), RingChannel(wg.rings_out, wg.rings_in), wg.device,
                       window or getattr(wg, "window", None) or default_window(wg.bucket_bytes))
-
-
-# ---------------------------------------------------------------------------- strategies
-class Reshard:
-    """Point-to-point buckets of exactly the needed bytes (the planned refit)."""
-
-    name = "reshard"
-
-    def install(self, plan: Plan, endpoints, bucket_bytes: int, proc_of: dict, pg=None,
-                transfers=None, device_type: str = "cpu") -> Program:
-        return compile_program(plan, endpoints, bucket_bytes, proc_of, transfers,
-                               per_item_min_bytes(device_type))
-
-    def execute(self, wg, prog, views: dict, deadline: float, token: Any = None) -> dict:
-        return run_program(prog.compiled, views, transports(wg), deadline, token)
-
-
-class GatherBroadcast:
-    """The baseline: all-gather each tensor on the sources, broadcast it whole."""
-
-    name = "gather_broadcast"
-
-    def install(self, plan: Plan, endpoints, bucket_bytes: int, proc_of: dict, pg=None,
-                transfers=None, device_type: str = "cpu"):
-        from .gather_broadcast import build_steps
-        me = proc_of[next(iter(endpoints))]
-        steps = build_steps(plan, proc_of, me, bucket_bytes)
-        if pg is not None:
-            # Every member creates the same sub-groups in the same order.
-            for ranks in sorted({g for s in steps for g in s.groups}):
-                if me in ranks and len(ranks) > 1:
-                    pg.subgroup(ranks)
-        return steps
-
-    def execute(self, wg, prog, views: dict, deadline: float, token: Any = None) -> dict:
-        from .gather_broadcast import execute
-        return execute(wg, prog, views, deadline)
-
-
-STRATEGIES = {s.name: s for s in (Reshard(), GatherBroadcast())}

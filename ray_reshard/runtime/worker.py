@@ -17,7 +17,7 @@ import torch
 from ..core.overlap import overlapping_pairs, overlaps_itself
 from ..core.plan import Plan
 from ..errors import GroupStateLost
-from . import executor
+from . import strategies
 from .transport import torch_pg
 
 _GROUPS: dict[str, "_WorkerGroup"] = {}
@@ -156,7 +156,7 @@ def install(actor, group_id: str, key, plan: Plan, transfers: Optional[list],
                                      spec.source_dtype if ep.side == "src" else spec.dtype))
     prog = _Program(plan, held, strategy, shards=shards,
                     storages=tuple(dict.fromkeys(sh.slot.storage for sh in shards)))
-    strat = executor.STRATEGIES[strategy]
+    strat = strategies.STRATEGIES[strategy]
     if strategy == "gather_broadcast":
         prog.gb_steps = strat.install(plan, wg.endpoints, wg.bucket_bytes, wg.ep_pid, wg.pg)
         ring = {}
@@ -344,7 +344,7 @@ def run(actor, group_id: str, key, timeout_s: float, version: int, atomic: bool 
                     targets[k] = v
                     views[k] = torch.empty_like(v)
                     extra += v.numel() * v.element_size()
-        stats = executor.STRATEGIES[prog.strategy].execute(wg, prog, views, deadline, token)
+        stats = strategies.STRATEGIES[prog.strategy].execute(wg, prog, views, deadline, token)
     except BaseException as e:
         _abort_channels(wg, f"{type(e).__name__}: {e}")
         raise

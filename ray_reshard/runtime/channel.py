@@ -1,0 +1,90 @@
+"""The one interface the executor uses for every transport, and its implementations.
+
+`post(peer, tensor, sending)` starts moving a tensor's bytes to or from a peer and returns a
+handle, `complete(handle, deadline, what)` waits for it, `abort(reason)` fails every peer
+blocked on this process. `NetChannel` is the group's process group (gloo or NCCL: isend/irecv),
+`RingChannel` the shared-memory or CUDA IPC rings to processes on the node (a ring's slot is
+packed in place, so `post` on a ring takes a fill/drain function instead of a tensor and finishes
+at once), `LoopbackChannel` moves nothing (benchmarks replay one process's CPU work with it).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .transport import torch_pg
+
+
+class Channel:
+    """post / complete / abort: the one interface the executor uses for every transport."""
+
+    def post(self, peer: int, tensor: torch.Tensor, sending: bool) -> Any:
+        raise NotImplementedError
+
+    def complete(self, handle: Any, deadline: float, what: str) -> None:
+        raise NotImplementedError
+
+    def abort(self, reason: str) -> None:
+        pass
+
+
+class NetChannel(Channel):
+    """The group's process group: one isend/irecv per message."""
+
+    def __init__(self, pg):
+        self.pg = pg
+
+    def post(self, peer, tensor, sending):
+        return self.pg.isend(tensor, peer) if sending else self.pg.irecv(tensor, peer)
+
+    def complete(self, handle, deadline, what):
+        torch_pg.wait(handle, deadline, what)
+
+    def abort(self, reason):
+        self.pg.abort()
+
+
+class RingChannel(Channel):
+    """Shared-memory / CUDA IPC rings to processes on this node. A posted bucket is packed into
+    (or unpacked from) the ring's slot in place: `tensor` is a function of the slot."""
+
+    def __init__(self, rings_out: dict, rings_in: dict):
+        self.rings_out, self.rings_in = rings_out, rings_in
+
+    def has(self, peer: int, sending: bool) -> bool:
+        return peer in (self.rings_out if sending else self.rings_in)
+
+    def post(self, peer, tensor, sending, nbytes: int = 0, deadline: float = 0.0):
+        if sending:
+            ring = self.rings_out[peer]
+            slot = ring.send_slot(nbytes, deadline)
+            tensor(slot)
+            ring.commit_send()
+        else:
+            ring = self.rings_in[peer]
+            slot = ring.recv_slot(deadline)
+            tensor(slot)
+            ring.release_recv()
+        return None
+
+    def complete(self, handle, deadline, what):
+        pass
+
+    def abort(self, reason):
+        for ring in [*self.rings_out.values(), *self.rings_in.values()]:
+            try:
+                ring.abort(reason[:200])
+            except Exception:
+                pass
+
+
+class LoopbackChannel(Channel):
+    """Moves nothing: every message completes at once (a received buffer keeps its bytes)."""
+
+    def post(self, peer, tensor, sending):
+        self.messages = getattr(self, "messages", 0) + 1
+        return None
+
+    def complete(self, handle, deadline, what):
+        pass
