@@ -22,6 +22,12 @@ class Channel:
     def post(self, peer: int, tensor: torch.Tensor, sending: bool) -> Any:
         raise NotImplementedError
 
+    def post_group(self, ops: list) -> Any:
+        """Post several messages, `ops` = [(peer, tensor, sending)], as one unit (one NCCL
+        group): one handle completes when all of them did. Every process must group the same
+        transfers (see executor.py)."""
+        raise NotImplementedError
+
     def complete(self, handle: Any, deadline: float, what: str) -> None:
         raise NotImplementedError
 
@@ -30,13 +36,16 @@ class Channel:
 
 
 class NetChannel(Channel):
-    """The group's process group: one isend/irecv per message."""
+    """The group's process group: isend/irecv, and groups of them (one NCCL group)."""
 
     def __init__(self, pg):
         self.pg = pg
 
     def post(self, peer, tensor, sending):
         return self.pg.isend(tensor, peer) if sending else self.pg.irecv(tensor, peer)
+
+    def post_group(self, ops):
+        return self.pg.post_group(ops)
 
     def complete(self, handle, deadline, what):
         torch_pg.wait(handle, deadline, what)
@@ -84,6 +93,11 @@ class LoopbackChannel(Channel):
 
     def post(self, peer, tensor, sending):
         self.messages = getattr(self, "messages", 0) + 1
+        return None
+
+    def post_group(self, ops):
+        self.messages = getattr(self, "messages", 0) + len(ops)
+        self.groups = getattr(self, "groups", 0) + 1
         return None
 
     def complete(self, handle, deadline, what):

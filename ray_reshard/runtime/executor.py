@@ -5,7 +5,16 @@ Channels. Every transport is reached through one small interface, `channel.Chann
 
 Order. Steps run in the program's order, which is the global key order every process agrees on
 (see `Schedule`): a posted transfer completes once both of its ends posted it, so the earliest
-unfinished transfer can always finish. Network messages stay in flight (up to `window` staged
+unfinished transfer can always finish.
+
+Groups. Packed network buckets are posted in groups (`Channel.post_group`: one NCCL launch,
+one handle). NCCL runs a process's groups one after another, and a group completes only when
+all of its messages do, so every process must cut the same groups out of the global order: a
+group is a run of keys with the same round and the same span of `window // 2` rotations (the
+schedule's key is (round, path, rotation, ...)), the same on every process whatever its share.
+In one rotation of one round a process sends at most one bucket and receives at most one, so a
+group needs at most `window` staging buffers; the earliest unfinished group can always finish.
+A step whose items travel as their own messages is its own group. Network messages stay in flight (up to `window` staged
 buckets and `4 * window` messages); domain buckets over a ring and local copies run at once. A
 forwarded piece is sent only once the network bucket that brought it in has completed; it sorts
 one round behind it, so the next round's network receives are already in flight meanwhile.
@@ -122,16 +131,22 @@ def run_program(prog: Program, views: dict, tr: Transports, deadline: float,
         peak_staged[1] = max(peak_staged[1], peak_staged[0])
         return si, staging.buffers[si][:nbytes]
 
-    def post(s, tensor, sending, si=-1, after=None):
-        pending.append((net.post(s.peer, tensor, sending), s, not sending, si, after))
-
-    for s in prog.steps:
+    steps = prog.steps
+    n_steps = len(steps)
+    # Packed network buckets are posted in groups (one NCCL launch each; see the module
+    # docstring): rounds of the schedule cut into spans of `span` rotations, the same cut on
+    # every process, so each group holds at most `span` sends and `span` receives.
+    span = window // 2
+    i = 0
+    while i < n_steps:
+        s = steps[i]
         kind = s.kind
         if kind == COPY:
             t0 = now()
             s.recv.copy_from(s.send)
             clock["unpack"] += now() - t0
             moved["local"] += s.nbytes
+            i += 1
             continue
         sending = kind == SEND
         if s.after is not None:
@@ -147,40 +162,70 @@ def run_program(prog: Program, views: dict, tr: Transports, deadline: float,
                 rings.post(s.peer, s.recv.unpack, False, 0, deadline)
                 clock["unpack"] += now() - t0
                 moved[s.path] += s.nbytes
+            i += 1
             continue
-        part = s.send if sending else s.recv
         if s.per_item:
-            left[s.key] = len(part)
-            for i, msg in enumerate(part.messages(sending)):
-                if msg is not None:           # the region itself travels
-                    while len(pending) >= max_in_flight:
-                        wait_one()
-                    post(s, msg, sending)
-                    continue
-                si, buf = stage(part.item_bytes[i])
+            # One message per item, posted as one group (both ends group the same step's
+            # messages); items that cannot travel in place go through one staging buffer, at
+            # their offsets in the bucket.
+            part = s.send if sending else s.recv
+            msgs = part.messages(sending)
+            staged = [k for k, m in enumerate(msgs) if m is None]
+            si, buf = stage(s.nbytes) if staged else (-1, None)
+            after = None
+            if buf is not None:
+                slots = {k: buf[part.offsets[k]:part.offsets[k] + part.item_bytes[k]]
+                         for k in staged}
                 if sending:
                     t0 = now()
-                    part.pack_item(i, buf)
+                    for k in staged:
+                        part.pack_item(k, slots[k])
                     clock["pack"] += now() - t0
-                    post(s, buf, True, si)
                 else:
-                    post(s, buf, False, si, after=lambda i=i, buf=buf, part=part:
-                         part.unpack_item(i, buf))
-        else:
+                    after = lambda part=part, slots=slots: [part.unpack_item(k, b)
+                                                            for k, b in slots.items()]
+                msgs = [m if m is not None else slots[k] for k, m in enumerate(msgs)]
+            while len(pending) >= max_in_flight:
+                wait_one()
             left[s.key] = 1
-            si, buf = stage(s.nbytes)
-            if sending:
-                t0 = now()
-                part.pack(buf)
-                clock["pack"] += now() - t0
-                post(s, buf, True, si)
-            else:
-                post(s, buf, False, si, after=lambda buf=buf, part=part: part.unpack(buf))
-        if sending:
-            sent += s.nbytes
+            handle = net.post_group([(s.peer, m, sending) for m in msgs])
+            pending.append((handle, s, not sending, si, after))
+            batch = (s,)
+            i += 1
         else:
-            recv += s.nbytes
-            moved[s.path] += s.nbytes
+            j = i + 1
+            if span and s.path == NETWORK:
+                g = (s.key[0], s.key[2] // span)
+                while j < n_steps and _packed_network(steps[j]) and \
+                        (steps[j].key[0], steps[j].key[2] // span) == g:
+                    j += 1
+            batch = steps[i:j]
+            while len(pending) >= max_in_flight:
+                wait_one()
+            ops, entries = [], []
+            for st in batch:
+                st_sending = st.kind == SEND
+                left[st.key] = 1
+                si, buf = stage(st.nbytes)
+                part = st.send if st_sending else st.recv
+                if st_sending:
+                    t0 = now()
+                    part.pack(buf)
+                    clock["pack"] += now() - t0
+                    entries.append((st, si, None))
+                else:
+                    entries.append((st, si, lambda buf=buf, part=part: part.unpack(buf)))
+                ops.append((st.peer, buf, st_sending))
+            handle = net.post(*ops[0]) if len(ops) == 1 else net.post_group(ops)
+            for st, si, after in entries:
+                pending.append((handle, st, st.kind != SEND, si, after))
+            i = j
+        for st in batch:
+            if st.kind == SEND:
+                sent += st.nbytes
+            else:
+                recv += st.nbytes
+                moved[st.path] += st.nbytes
     while pending:
         wait_one()
     if tr.device.type == "cuda":
@@ -188,6 +233,10 @@ def run_program(prog: Program, views: dict, tr: Transports, deadline: float,
     return {"bytes_by_path": moved, "sent_bytes": sent, "recv_bytes": recv,
             "peak_staging_bytes": peak_staged[1] * staging.nbytes, "transfers": len(prog.steps),
             "parts_rebuilt": rebuilt, "clock": clock}
+
+
+def _packed_network(s) -> bool:
+    return s.path == NETWORK and s.kind != COPY and not s.per_item
 
 
 def transports(wg, window: Optional[int] = None) -> Transports:

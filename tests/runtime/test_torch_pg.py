@@ -46,6 +46,19 @@ class Member:
             self.g.isend(out, peer).wait()
         return got.tolist()
 
+    def grouped_exchange(self, peers, value):
+        """A message to and from every peer posted as one group, the group's handle waited
+        twice (the executor waits a group once per message it holds)."""
+        out = torch.full((8,), float(value))
+        got = {p: torch.zeros(8) for p in peers}
+        ops = [(p, out, True) for p in peers] + [(p, got[p], False) for p in peers]
+        handle = self.g.post_group(ops)
+        dl = time.monotonic() + 30
+        torch_pg.wait(handle, dl, "group")
+        t0 = time.monotonic()
+        torch_pg.wait(handle, dl, "group again")
+        return {p: t[0].item() for p, t in got.items()}, time.monotonic() - t0
+
     def leave(self):
         self.g.destroy_group()
 
@@ -83,6 +96,16 @@ def test_exchange_then_abort_wakes_blocked_peers_in_other_processes(processes):
         assert kind == "TransportError", (kind, msg)
         assert "dst rank 3 ran out of memory" in msg
         assert secs < 0.5 + 2.5, secs
+    ray.get([m.leave.remote() for m in members])
+
+
+def test_post_group_exchanges_with_every_peer_and_waits_once(processes):
+    members = _group(processes, 3)
+    got = ray.get([m.grouped_exchange.remote([p for p in range(3) if p != r], 10 + r)
+                   for r, m in enumerate(members)], timeout=60)
+    for r, (values, again_s) in enumerate(got):
+        assert values == {p: 10.0 + p for p in range(3) if p != r}
+        assert again_s < 1.0             # already complete: no second wait on the works
     ray.get([m.leave.remote() for m in members])
 
 

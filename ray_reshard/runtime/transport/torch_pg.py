@@ -95,19 +95,24 @@ class Pending:
     `after` runs once the operation completed (e.g. copying a staged receive to the device);
     `keep` holds buffers alive until then."""
 
-    __slots__ = ("group", "work", "after", "keep")
+    __slots__ = ("group", "work", "after", "keep", "done")
 
     def __init__(self, group: "TorchPGGroup", work, after: Optional[Callable] = None, keep=None):
         self.group, self.work, self.after, self.keep = group, work, after, keep
+        self.done = False
 
     def wait(self, deadline=None, what: str = "operation") -> None:
         """Wait until `deadline` (time.monotonic(); a timedelta is read as time from now; None:
-        the group's operation timeout)."""
+        the group's operation timeout). Waiting again after it completed returns at once (a
+        gloo work must be waited once only: each wait takes one completion)."""
+        if self.done:
+            return
         if deadline is None:
             deadline = self.group._forever()
         elif isinstance(deadline, datetime.timedelta):
             deadline = time.monotonic() + deadline.total_seconds()
         self.group._wait_work(self.work, deadline, what)
+        self.done = True
         if self.after is not None:
             after, self.after = self.after, None
             after()
@@ -116,7 +121,22 @@ class Pending:
     def is_completed(self) -> bool:
         """Whether it completed (NCCL: on the GPU; gloo reports completion only through a
         wait, so this stays False there until waited for)."""
-        return self.after is None and self.keep is None and self.work.is_completed()
+        return self.done or (self.after is None and self.keep is None and
+                             self.work.is_completed())
+
+
+class PendingGroup:
+    """Several posted operations waited for as one (in posting order; waiting again after they
+    completed returns at once)."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: list):
+        self.parts = parts
+
+    def wait(self, deadline=None, what: str = "operation") -> None:
+        for p in self.parts:
+            p.wait(deadline, what)
 
 
 class _BoundPG:
@@ -241,6 +261,12 @@ class TorchPGGroup(BaseGroup):
             return Pending(self, self.pg.recv([host], peer, 0),
                            after=lambda: tensor.copy_(host), keep=host)
         return Pending(self, self.pg.recv([tensor], peer, 0))
+
+    def post_group(self, ops: list) -> "PendingGroup":
+        """Sends and receives `ops` = [(peer, tensor, sending)] posted together; one handle
+        waits for all (gloo runs them independently; the NCCL variant launches one group)."""
+        return PendingGroup([self.isend(t, peer) if sending else self.irecv(t, peer)
+                             for peer, t, sending in ops])
 
     def subgroup(self, ranks: tuple[int, ...]):
         """A process group over `ranks` (group ranks); every member must ask for it in the same
@@ -436,13 +462,27 @@ class TorchNCCLGroup(TorchPGGroup):
         return self._p2p(self.pg.recv, tensor, peer)
 
     def _p2p(self, op, tensor, peer) -> Pending:
+        return self._group_p2p([(op, tensor, peer)])
+
+    def post_group(self, ops: list) -> Pending:
+        """Sends and receives `ops` = [(peer, tensor, sending)] as one NCCL group: one launch,
+        one handle (what `torch.distributed.batch_isend_irecv` does). Every member must group
+        the same operations."""
+        return self._group_p2p([(self.pg.send if sending else self.pg.recv, t, peer)
+                                for peer, t, sending in ops])
+
+    def _group_p2p(self, ops) -> Pending:
+        # Point-to-point operations inside a coalescing group run on the group's one
+        # communicator over all ranks (outside one, NCCL makes a 2-rank communicator per pair).
         if self._aborted is not None:
             raise TransportError(f"group aborted: {self._aborted}")
-        if not tensor.is_cuda:
-            raise TransportError(f"NCCL moves CUDA tensors only, got one on {tensor.device}")
+        for _, t, _ in ops:
+            if not t.is_cuda:
+                raise TransportError(f"NCCL moves CUDA tensors only, got one on {t.device}")
         self.pg._start_coalescing(self.device)
         try:
-            op([tensor], peer, 0)
+            for op, t, peer in ops:
+                op([t], peer, 0)
         finally:
             work = self.pg._end_coalescing(self.device)
         return Pending(self, work)
@@ -565,7 +605,7 @@ def backend_name(kind: str) -> str:
 def wait(work, deadline: float, what: str) -> None:
     """Wait for a posted operation until `deadline` (time.monotonic()); raise TransportTimeout
     when it passes (at once when none is left) or TransportError (peer gone, group aborted)."""
-    if isinstance(work, Pending):
+    if isinstance(work, (Pending, PendingGroup)):
         work.wait(deadline, what)
         return
     left = deadline - time.monotonic()

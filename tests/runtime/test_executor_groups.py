@@ -1,0 +1,202 @@
+"""The executor's message groups under NCCL's semantics, on CPU: every process's compiled program
+runs in its own thread over in-memory channels that behave like NCCL (a process's groups run one
+after another, a group completes only when all its messages did, a pair's messages match in
+posting order) and rings like the shared-memory ones (blocking, two slots). Results must be
+bit-exact and no layout may deadlock, whatever the window."""
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict, deque
+
+import pytest
+import torch
+
+import ray_reshard as rr
+from ray_reshard.core.pack import shard_view
+from ray_reshard.core.placement import Replicate, Shard
+from ray_reshard.core.planner import Endpoint
+from ray_reshard.core.program import compile_program
+from ray_reshard.errors import TransportTimeout
+from ray_reshard.runtime.channel import Channel
+from ray_reshard.runtime.executor import Transports, run_program
+
+STALL_S = 20.0
+
+
+class Group:
+    """Posted messages that complete together (identity comparison only)."""
+
+    def __init__(self):
+        self.ops, self.done = [], 0
+
+
+class Fabric:
+    """Point-to-point matching shared by all processes (NCCL-like when `serial`)."""
+
+    def __init__(self, serial: bool):
+        self.serial = serial
+        self.cond = threading.Condition()
+        self.queues = defaultdict(deque)        # (sender, receiver, "s"/"r") -> ops
+        self.streams = defaultdict(deque)       # process -> its groups, oldest first
+        self.groups_posted = 0
+
+    def post(self, proc, ops):
+        group = Group()
+        with self.cond:
+            for peer, tensor, sending in ops:
+                op = {"group": group, "tensor": tensor, "done": False}
+                group.ops.append(op)
+                pair = (proc, peer, "s") if sending else (peer, proc, "r")
+                self.queues[pair].append(op)
+            self.streams[proc].append(group)
+            self.groups_posted += 1
+            self._match()
+        return group
+
+    def _active(self, op, proc):
+        return not self.serial or self.streams[proc][0] is op["group"]
+
+    def _match(self):
+        progress = True
+        while progress:
+            progress = False
+            for (a, b, kind), q in list(self.queues.items()):
+                if kind != "s" or not q:
+                    continue
+                rq = self.queues[(a, b, "r")]
+                while q and rq and self._active(q[0], a) and self._active(rq[0], b):
+                    s, r = q.popleft(), rq.popleft()
+                    assert s["tensor"].numel() == r["tensor"].numel()
+                    r["tensor"].copy_(s["tensor"])
+                    for op, proc in ((s, a), (r, b)):
+                        op["done"] = True
+                        g = op["group"]
+                        g.done += 1
+                        if g.done == len(g.ops):
+                            stream = self.streams[proc]
+                            assert stream[0] is g or not self.serial
+                            del stream[next(i for i, x in enumerate(stream) if x is g)]
+                    progress = True
+            self.cond.notify_all()
+
+    def wait(self, group, deadline):
+        with self.cond:
+            while group.done < len(group.ops):
+                if not self.cond.wait(timeout=max(0.0, min(deadline, time.monotonic() + 1.0)
+                                                  - time.monotonic())):
+                    if time.monotonic() >= deadline:
+                        raise TransportTimeout("stalled")
+
+
+class FakeNet(Channel):
+    def __init__(self, fabric, proc):
+        self.fabric, self.proc = fabric, proc
+
+    def post(self, peer, tensor, sending):
+        return self.fabric.post(self.proc, [(peer, tensor, sending)])
+
+    def post_group(self, ops):
+        return self.fabric.post(self.proc, ops)
+
+    def complete(self, handle, deadline, what):
+        self.fabric.wait(handle, deadline)
+
+
+class FakeRings:
+    """Blocking two-slot rings between every pair of processes that asks for one."""
+
+    slots = 2
+
+    def __init__(self, shared, proc):
+        self.shared, self.proc = shared, proc
+
+    def has(self, peer, sending):
+        return True
+
+    def post(self, peer, fn, sending, nbytes=0, deadline=0.0):
+        key = (self.proc, peer) if sending else (peer, self.proc)
+        cond, q = self.shared.setdefault(key, (threading.Condition(), deque()))
+        with cond:
+            while (len(q) >= self.slots) if sending else not q:
+                if not cond.wait(timeout=max(0.0, deadline - time.monotonic())):
+                    raise TransportTimeout("ring stalled")
+            if sending:
+                slot = torch.empty(nbytes, dtype=torch.uint8)
+                fn(slot)
+                q.append(slot)
+            else:
+                fn(q.popleft())
+            cond.notify_all()
+
+
+def run_threads(p, src_store, dst_store, bucket_bytes, window, serial, per_item_bytes):
+    topo = p.topology
+    eps = [Endpoint("src", r) for r in range(topo.n_src)] + \
+          [Endpoint("dst", r) for r in range(topo.n_dst)]
+    stores = {"src": src_store, "dst": dst_store}
+    fabric, rings = Fabric(serial), {}
+    errors, threads = [], []
+
+    def one(proc, ep):
+        try:
+            prog = compile_program(p, [ep], bucket_bytes, per_item_bytes=per_item_bytes)
+            views = {k: shard_view(p, k[0], k[1], k[2], stores[k[0]][k[1]])
+                     for k in prog.held}
+            tr = Transports(FakeNet(fabric, proc), FakeRings(rings, proc),
+                            torch.device("cpu"), window)
+            run_program(prog, views, tr, time.monotonic() + STALL_S)
+        except BaseException as e:          # noqa: BLE001 - reported below
+            errors.append((ep, e))
+
+    for proc, ep in enumerate(eps):
+        t = threading.Thread(target=one, args=(proc, ep), daemon=True)
+        threads.append(t)
+        t.start()
+    for t in threads:
+        t.join(STALL_S + 10)
+    assert not errors, errors
+    return fabric
+
+
+def L(ranks, *placements, names=None):
+    return rr.Layout(rr.Mesh(ranks, names), placements)
+
+
+def layouts():
+    tp4 = L([0, 1, 2, 3], Shard(0))
+    yield "tp4 -> tp2xdp2", tp4, L([[0, 1], [2, 3]], Replicate(), Shard(0), names=("dp", "tp"))
+    yield "rows x cols -> cols", L([[0, 1], [2, 3]], Shard(0), Shard(1)), \
+        L([0, 1, 2, 3], Shard(1))
+    yield "tp4 -> dp4", tp4, L([0, 1, 2, 3], Replicate())
+    yield "pp2 -> tp2xdp2", L([0, 1], Shard(0)), \
+        L([[0, 1], [2, 3]], Replicate(), Shard(1), names=("dp", "tp"))
+
+
+@pytest.mark.parametrize("dst_domain", [2, 4])
+@pytest.mark.parametrize("serial", [True, False], ids=["nccl-like", "independent"])
+@pytest.mark.parametrize("window", [1, 2, 4, 8])
+@pytest.mark.parametrize("per_item", [None, 2048], ids=["packed", "per-item"])
+def test_groups_match_and_never_deadlock(serial, window, per_item, dst_domain):
+    for name, src, dst in layouts():
+        specs, fulls = {}, {}
+        g = torch.Generator().manual_seed(window)
+        for i, shape in enumerate([(64, 48), (48, 64), (7, 5), (128, 32)]):
+            specs[f"{name}.{i}"] = rr.TensorSpec(shape, torch.float32, src, dst)
+            fulls[f"{name}.{i}"] = torch.randn(shape, generator=g)
+        n_src, n_dst = src.mesh.size, dst.mesh.size
+        # Destination domains of `dst_domain` ranks: network buckets, then forwards inside.
+        p = rr.plan(specs, src_domains=["s"] * n_src,
+                    dst_domains=[f"d{j // dst_domain}" for j in range(n_dst)])
+        src_store = [{n: rr.shard_tensor(f, s.src, r) for n, (f, s) in
+                      ((n, (fulls[n], specs[n])) for n in specs) if s.src.box(r, s.shape)}
+                     for r in range(n_src)]
+        dst_store = [{n: torch.full(s.dst.local_shape(r, s.shape), -1.0) for n, s in specs.items()
+                      if s.dst.box(r, s.shape)} for r in range(n_dst)]
+        fabric = run_threads(p, src_store, dst_store, 4096, window, serial, per_item)
+        for n, s in specs.items():
+            for r in range(n_dst):
+                if s.dst.box(r, s.shape):
+                    assert torch.equal(dst_store[r][n], rr.shard_tensor(fulls[n], s.dst, r)), \
+                        (name, n, r)
+        assert fabric.groups_posted > 0
