@@ -142,7 +142,7 @@ class Plan:
             tot["local"] += n * s.local_bytes
             tot["min"] += n * s.min_network_bytes
             tot["gb"] += n * s.gather_broadcast_bytes
-            tot["moves"] += n * len(tp.moves)
+            tot["moves"] += n * tp.n_moves
         send, recv = self.send_bytes_by_rank, self.recv_bytes_by_rank
         return PlanStats(
             total_bytes=tot["total"], network_bytes=tot["network"], domain_bytes=tot["domain"],
@@ -155,7 +155,7 @@ class Plan:
     def send_bytes_by_rank(self) -> dict[int, int]:
         out = defaultdict(int)
         for tp, n in self._distinct:
-            for r, b in tp.stats.send_bytes:
+            for r, b in tp.network_bytes_by_rank()[0]:
                 out[r] += n * b
         return dict(out)
 
@@ -163,7 +163,7 @@ class Plan:
     def recv_bytes_by_rank(self) -> dict[int, int]:
         out = defaultdict(int)
         for tp, n in self._distinct:
-            for r, b in tp.stats.recv_bytes:
+            for r, b in tp.network_bytes_by_rank()[1]:
                 out[r] += n * b
         return dict(out)
 
@@ -377,12 +377,11 @@ def build_share(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int) ->
         max_numel = max(1, bucket_bytes // size)
         pairs: dict[tuple, list] = defaultdict(list)
         fwds = []
-        for m in tp.moves:
+        for m in tp.touching(my_src, my_dst):       # sent, forwarded or received here
             src, dst = m.src, m.dst
             if src.side == "dst":
-                if src.rank in my_dst or dst in my_dst:
-                    fwds.append((src.rank, m.box, (dst, m.path)))
-            elif src.rank in my_src or dst in my_dst:
+                fwds.append((src.rank, m.box, (dst, m.path)))
+            else:
                 pairs[slot((src, dst, m.path))] += cut(m.box, size, max_numel)
         return list(pairs.items()), fwds
 
@@ -390,8 +389,8 @@ def build_share(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int) ->
         """Network pieces into forwarders (not ours) from sources (not ours)."""
         max_numel = max(1, bucket_bytes // size)
         pairs: dict[tuple, list] = defaultdict(list)
-        for m in tp.moves:
-            if (m.dst in fset and m.path == NETWORK and m.src.side == "src"
+        for m in tp.into(fset):
+            if (m.path == NETWORK and m.src.side == "src"
                     and m.src.rank not in my_src):   # our own sends are cut above
                 pairs[slot((m.src, m.dst, NETWORK), False)] += cut(m.box, size, max_numel)
         return [(i, tuple([nb for _, nb, _ in pieces]), pieces) for i, pieces in pairs.items()]
