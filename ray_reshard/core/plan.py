@@ -7,13 +7,13 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from bisect import bisect_right
-from itertools import repeat
+from array import array
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from .box import Box
 from .planner import (DOMAIN, LOCAL, NETWORK, Endpoint, Move, PlanError, TensorPlan, Topology,
                       plan_tensor)
-from .spec import TensorSpec
+from .spec import TensorSpec, pack_slot_tables, unpack_slot_tables
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 
@@ -95,21 +95,15 @@ class Plan:
         """The TensorSpecs, in `names` order."""
         sp = self.__dict__.get("_specs")
         if sp is None:
-            sp = self._specs = tuple([_spec(*c, None) for c in self.__dict__.pop("_spec_columns")])
+            with gc_paused():        # tens of thousands of acyclic objects
+                sp = self._specs = _unpack_specs(self.__dict__.pop("_spec_columns"))
         return sp
 
     def localize(self, endpoints: Iterable[Endpoint]) -> None:
-        """In a process that holds only `endpoints`: unpack the specs of a shipped plan with
-        only these ranks' slots (a model recipe gives every tensor a slot for every rank; the
-        others are never looked up here). No effect on a plan whose specs are unpacked."""
-        columns = self.__dict__.pop("_spec_columns", None)
-        if columns is None:
-            return
-        mine = {"src": set(), "dst": set()}
-        for ep in endpoints:
-            mine[ep.side].add(ep.rank)
-        only = {side: tuple(sorted(r)) for side, r in mine.items()}
-        self._specs = tuple([_spec(*c, only) for c in columns])
+        """Prepare a shipped plan for a process that holds only `endpoints` (unpacks the specs;
+        slot tables stay compact, so every rank's share is as cheap as one rank's). No effect
+        on a plan whose specs are unpacked."""
+        self.specs
 
     @cached_property
     def index(self) -> dict[str, int]:
@@ -188,18 +182,13 @@ class Plan:
 
     def __getstate__(self):
         # Schedules are caches, often far larger than the plan: rebuild them where needed.
-        # Specs travel as columns: model recipes give every tensor a slot per rank (hundreds of
-        # (rank, Slot) pairs, millions in all), which pickled one by one dominated shipping.
+        # Specs travel as columns (see `_pack_specs`).
         state = {k: v for k, v in self.__dict__.items()
                  if k in ("names", "topology", "tensor_plans")}
         if "_spec_columns" in self.__dict__:     # shipped on without being unpacked
             state["spec_columns"] = self.__dict__["_spec_columns"]
             return state
-        ranks_seen: dict = {}
-        state["spec_columns"] = [
-            (sp.shape, sp.dtype, sp.src, sp.dst, sp.src_dtype,
-             _pack_slots(sp.src_slots, ranks_seen), _pack_slots(sp.dst_slots, ranks_seen))
-            for sp in self.specs]
+        state["spec_columns"] = _pack_specs(self.specs)
         return state
 
     def __reduce__(self):
@@ -227,38 +216,42 @@ def _load_plan(state: dict) -> "Plan":
     return p
 
 
-def _pack_slots(table, ranks_seen: dict):
-    """(ranks, slot) when every rank has the same Slot object, else (ranks, slots)."""
-    if not table:
-        return table
-    ranks, slots = zip(*table)
-    ranks = ranks_seen.setdefault(ranks, ranks)
-    first = slots[0]
-    if slots.count(first) == len(slots):
-        return (ranks, first, True)
-    return (ranks, slots, False)
-
-
-def _unpack_slots(packed, only):
-    if not packed:
-        return packed
-    ranks, slots, same = packed
-    if only is None:
-        return tuple(zip(ranks, repeat(slots, len(ranks)) if same else slots))
-    return tuple([(r, slots if same else slots[ranks.index(r)]) for r in only if r in ranks])
+def _pack_specs(specs: Sequence[TensorSpec]) -> tuple:
+    """Specs as columns: each distinct (shape, dtype, layouts, source dtype) once, and per
+    spec its index, and the slot tables (see `pack_slot_tables`)."""
+    kinds: dict = {}
+    kind_of, src_slots, dst_slots = [], [], []
+    for sp in specs:
+        k = (sp.shape, sp.dtype, id(sp.src), id(sp.dst), sp.src_dtype)
+        i = kinds.get(k)
+        if i is None:
+            i = kinds[k] = len(kinds)
+        kind_of.append(i)
+        src_slots.append(sp.src_slots)
+        dst_slots.append(sp.dst_slots)
+    by_id = {id(sp.src): sp.src for sp in specs}
+    by_id.update((id(sp.dst), sp.dst) for sp in specs)
+    table = [(shape, dtype, by_id[s], by_id[d], sdt) for (shape, dtype, s, d, sdt) in kinds]
+    return table, array("I", kind_of), pack_slot_tables(src_slots), pack_slot_tables(dst_slots)
 
 
 _new = object.__new__
 
 
-def _spec(shape, dtype, src, dst, src_dtype, src_slots, dst_slots, only) -> TensorSpec:
-    """A TensorSpec from validated fields (no re-validation: it was checked when planned), with
-    the slots of the ranks `only[side]` (None: all)."""
-    sp = _new(TensorSpec)
-    sp.__dict__.update(shape=shape, dtype=dtype, src=src, dst=dst, src_dtype=src_dtype,
-                       src_slots=_unpack_slots(src_slots, None if only is None else only["src"]),
-                       dst_slots=_unpack_slots(dst_slots, None if only is None else only["dst"]))
-    return sp
+def _unpack_specs(columns) -> tuple[TensorSpec, ...]:
+    """TensorSpecs from `_pack_specs` columns, built from validated fields (no re-validation:
+    they were checked when planned)."""
+    table, kind_of, src_slots, dst_slots = columns
+    src_slots, dst_slots = unpack_slot_tables(src_slots), unpack_slot_tables(dst_slots)
+    out = []
+    append = out.append
+    for k, ss, ds in zip(kind_of, src_slots, dst_slots):
+        shape, dtype, src, dst, sdt = table[k]
+        sp = _new(TensorSpec)
+        sp.__dict__.update(shape=shape, dtype=dtype, src=src, dst=dst, src_dtype=sdt,
+                           src_slots=ss, dst_slots=ds)
+        append(sp)
+    return tuple(out)
 
 
 class Schedule:
@@ -558,6 +551,7 @@ def plan(specs: Mapping[str, TensorSpec], src_domains: Optional[Sequence[Any]] =
     # alive during the loop, so the ids are not reused; slot tables (hundreds of Slots) are
     # keyed by identity because hashing them per tensor dominated planning at scale.
     seen: dict = {}
+    checked: set = set()                 # layouts and slot tables found valid (by identity)
     tensor_plans = []
     turns: dict = defaultdict(int)       # src layout -> tensors given a rotation so far
     # Planning allocates only acyclic objects (hundreds of thousands of moves at scale): the
@@ -569,7 +563,7 @@ def plan(specs: Mapping[str, TensorSpec], src_domains: Optional[Sequence[Any]] =
             tp = seen.get(key)
             try:
                 if tp is None:
-                    spec.validate(name)
+                    spec.validate(name, checked)
                     tp = seen[key] = plan_tensor(spec.signature, topo)
                 if tp.rotations > 1:
                     # Small tensors leave some source replicas idle: rotate which ones work
