@@ -10,6 +10,8 @@ from bisect import bisect_right
 from array import array
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
+import numpy as np
+
 from .box import Box
 from .planner import (DOMAIN, LOCAL, NETWORK, Endpoint, Move, PlanError, TensorPlan, Topology,
                       plan_tensor)
@@ -126,7 +128,7 @@ class Plan:
         tot = defaultdict(int)
         distinct = self._distinct
         for tp, n in distinct:
-            s = tp.stats
+            s = tp.totals
             numel = 1
             for d in tp.shape:
                 numel *= d
@@ -147,19 +149,19 @@ class Plan:
 
     @cached_property
     def send_bytes_by_rank(self) -> dict[int, int]:
-        out = defaultdict(int)
-        for tp, n in self._distinct:
-            for r, b in tp.network_bytes_by_rank()[0]:
-                out[r] += n * b
-        return dict(out)
+        return self._network_bytes_by_rank(0, self.topology.n_src)
 
     @cached_property
     def recv_bytes_by_rank(self) -> dict[int, int]:
-        out = defaultdict(int)
-        for tp, n in self._distinct:
-            for r, b in tp.network_bytes_by_rank()[1]:
-                out[r] += n * b
-        return dict(out)
+        return self._network_bytes_by_rank(1, self.topology.n_dst)
+
+    def _network_bytes_by_rank(self, which: int, n: int) -> dict[int, int]:
+        """rank -> network bytes it sends (which=0) or receives (which=1), ranks with some."""
+        out = np.zeros(n, dtype=np.int64)
+        for tp, count in self._distinct:
+            ranks, nbytes = tp.network_bytes_arrays()[which]
+            np.add.at(out, ranks, nbytes * count)
+        return {int(r): int(out[r]) for r in np.flatnonzero(out)}
 
     def for_rank(self, side: str, rank: int) -> dict[str, tuple[Move, ...]]:
         """The moves (by tensor name) that rank `rank` of `side` sends or receives."""
@@ -354,7 +356,8 @@ def build_share(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int) ->
     n_src = plan.topology.n_src
     world = n_src + plan.topology.n_dst
     isz = [spec.itemsize for spec in plan.specs]
-    forwards: dict[tuple, list] = defaultdict(list)
+    # per tensor: {forwarder dst rank: [(box, (target, path)), ...]} (shared per tensor plan)
+    forwards: list = [None] * len(plan.tensor_plans)
     transfers: list[Transfer] = []
 
     def cut(box, size, max_numel):
@@ -369,14 +372,14 @@ def build_share(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int) ->
         """Our pairs' pieces and the forwards we take part in, for one distinct tensor plan."""
         max_numel = max(1, bucket_bytes // size)
         pairs: dict[tuple, list] = defaultdict(list)
-        fwds = []
+        fwds: dict[int, list] = {}
         for m in tp.touching(my_src, my_dst):       # sent, forwarded or received here
             src, dst = m.src, m.dst
             if src.side == "dst":
-                fwds.append((src.rank, m.box, (dst, m.path)))
+                fwds.setdefault(src.rank, []).append((m.box, (dst, m.path)))
             else:
                 pairs[slot((src, dst, m.path))] += cut(m.box, size, max_numel)
-        return list(pairs.items()), fwds
+        return list(pairs.items()), fwds or None
 
     def replay_digest(tp, size, fset):
         """Network pieces into forwarders (not ours) from sources (not ours)."""
@@ -416,10 +419,10 @@ def build_share(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int) ->
             d = cache.get(ck)
             if d is None:
                 d = cache[ck] = digest(tp, isz[ti])
-                forwarders.update(f for f, _, _ in d[1] if f not in my_dst)
+                if d[1]:
+                    forwarders.update(f for f in d[1] if f not in my_dst)
             expand(d[0], ti)
-            for f, box, tgt in d[1]:
-                forwards[(f, ti)].append((box, tgt))
+            forwards[ti] = d[1]
         # Network pairs into forwarders that are not ours: only to key their forwards to us.
         replay_sizes: dict[int, list] = {}
         replay_marks: dict[int, list] = {}
@@ -434,7 +437,8 @@ def build_share(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int) ->
                 for i, sizes, pieces in d:
                     # Only the sizes decide the buckets; only pieces forwarded here are kept.
                     lst = replay_sizes.setdefault(i, [])
-                    if (pair_keys[i][1], ti) in forwards:
+                    fw = forwards[ti]
+                    if fw is not None and pair_keys[i][1] in fw:
                         pos = len(lst)
                         replay_marks.setdefault(i, []).extend(
                             [(pos + j, (nb, ti, box, parent))
@@ -457,6 +461,7 @@ def build_share(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int) ->
                 by_k.setdefault(bisect_right(starts, pos), []).append(entry)
             return by_k.items()
 
+        any_forwards = any(f is not None for f in forwards)
         for i, (src, dst, path, ours) in enumerate(pair_keys):
             rot = (n_src + dst - (src.rank if src.side == "src" else n_src + src.rank)) % world
             gsrc = src.rank if src.side == "src" else n_src + src.rank
@@ -465,11 +470,12 @@ def build_share(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int) ->
                 key = (k, _PATH_ORDER[path], rot, gsrc, dst, 0, -1)
                 if ours:
                     emit(key, src, dst, path, bucket)
-                if path != NETWORK or not forwards:
+                if path != NETWORK or not any_forwards:
                     continue
                 fwd: dict[tuple, list] = defaultdict(list)
                 for entry in bucket:
-                    fs = forwards.get((dst, entry[1]))
+                    fw = forwards[entry[1]]
+                    fs = None if fw is None else fw.get(dst)
                     if fs is None:
                         continue
                     parent = entry[3]
