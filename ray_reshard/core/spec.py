@@ -323,29 +323,29 @@ class TensorSpec:
     def validate(self, name: str, checked: Optional[set] = None) -> None:
         """Raise a ValueError naming `name` when the layouts cannot hold this tensor.
 
-        `checked` (optional, owned by the caller) remembers by identity the (layout, shape)
-        and (slot ranks, mesh) pairs found valid, so specs sharing them are checked once; it
-        is valid only while the specs it saw are alive.
+        `checked` (optional, owned by the caller) remembers by identity the (shape, layouts,
+        slot rank tables) found valid, so specs sharing them are checked once; it is valid
+        only while the specs it saw are alive.
         """
+        if checked is not None:
+            ss, ds = self.src_slots, self.dst_slots
+            key = (self.shape, id(self.src), id(self.dst), None if ss is None else id(ss.ranks),
+                   None if ds is None else id(ds.ranks))
+            if key in checked:
+                return
+            self.validate(name)
+            checked.add(key)
+            return
         for side in ("src", "dst"):
             lay = self.layout(side)
-            key = (id(lay), self.shape)
-            if checked is None or key not in checked:
-                lay.validate_for(self.shape, f"{name!r} ({side} layout)")
-                if checked is not None:
-                    checked.add(key)
+            lay.validate_for(self.shape, f"{name!r} ({side} layout)")
             slots = self.src_slots if side == "src" else self.dst_slots
             if slots:
-                key = (id(slots.ranks), id(lay.mesh))
-                if checked is not None and key in checked:
-                    continue
                 mesh_ranks = lay.mesh.rank_set
                 for r in slots.ranks:
                     if r not in mesh_ranks:
                         raise ValueError(f"{name!r}: {side}_slots names rank {r}, which is not in "
                                          f"the {side} mesh {sorted(mesh_ranks)}")
-                if checked is not None:
-                    checked.add(key)
 
 
 _ITEMSIZE: dict = {}
