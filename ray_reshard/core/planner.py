@@ -377,6 +377,24 @@ def plan_tensor(spec_signature: tuple, topo: Topology, rotation: int = 0) -> Ten
     return _rename(canon, sranks, dranks)
 
 
+def plan_tensor_direct(spec_signature: tuple, topo: Topology, rotation: int = 0) -> TensorPlan:
+    """What `plan_tensor` computes, the straightforward way: planned on the signature's own
+    ranks and topology (no canonical problem, no renaming, no caches), its cover verified and
+    its statistics computed from these moves. The reference the shared path is checked
+    against; for meshes that list their ranks in increasing order the two are identical (tie
+    breaks follow rank order here and mesh order there)."""
+    shape, itemsize, src_layout, dst_layout = spec_signature
+    _check_ranks("src", src_layout.mesh.ranks, topo.n_src)
+    _check_ranks("dst", dst_layout.mesh.ranks, topo.n_dst)
+    moves, rotations = _plan_moves(shape, itemsize, src_layout, dst_layout, topo, 0)
+    if rotation % rotations:
+        moves, _ = _plan_moves(shape, itemsize, src_layout, dst_layout, topo,
+                               rotation % rotations)
+    _verify_cover(shape, dst_layout, moves)
+    return TensorPlan(shape, itemsize, moves,
+                      _stats(shape, itemsize, src_layout, dst_layout, topo, moves), rotations)
+
+
 def _rotations_of(shape, itemsize, src_layout, dst_layout, canon_topo) -> int:
     return _canonical_plan(shape, itemsize, src_layout.mesh.shape, src_layout.placements,
                            dst_layout.mesh.shape, dst_layout.placements, canon_topo, 0).rotations
