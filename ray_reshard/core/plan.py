@@ -351,7 +351,12 @@ def build_share(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int) ->
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    mine = frozenset(endpoints)
+    # The work's temporaries are freed when _share returns, before the collector runs again.
+    with gc_paused():
+        return _share(plan, frozenset(endpoints), bucket_bytes)
+
+
+def _share(plan: Plan, mine: frozenset, bucket_bytes: int) -> list[Transfer]:
     my_dst = {e.rank for e in mine if e.side == "dst"}
     n_src = plan.topology.n_src
     world = n_src + plan.topology.n_dst
@@ -411,82 +416,81 @@ def build_share(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int) ->
         transfers.append(_transfer(isz, key, src, dst, path,
                                    [(Item(ti, box), nb) for nb, ti, box, _ in entries]))
 
-    with gc_paused():
-        cache: dict = {}
-        forwarders: set = set()          # destination ranks, not ours, forwarding to ours
+    cache: dict = {}
+    forwarders: set = set()          # destination ranks, not ours, forwarding to ours
+    for ti, tp in enumerate(plan.tensor_plans):
+        ck = (id(tp), isz[ti])
+        d = cache.get(ck)
+        if d is None:
+            d = cache[ck] = digest(tp, isz[ti])
+            if d[1]:
+                forwarders.update(f for f in d[1] if f not in my_dst)
+        expand(d[0], ti)
+        forwards[ti] = d[1]
+    # Network pairs into forwarders that are not ours: only to key their forwards to us.
+    replay_sizes: dict[int, list] = {}
+    replay_marks: dict[int, list] = {}
+    if forwarders:
+        fset = frozenset(forwarders)
+        cache = {}
         for ti, tp in enumerate(plan.tensor_plans):
             ck = (id(tp), isz[ti])
             d = cache.get(ck)
             if d is None:
-                d = cache[ck] = digest(tp, isz[ti])
-                if d[1]:
-                    forwarders.update(f for f in d[1] if f not in my_dst)
-            expand(d[0], ti)
-            forwards[ti] = d[1]
-        # Network pairs into forwarders that are not ours: only to key their forwards to us.
-        replay_sizes: dict[int, list] = {}
-        replay_marks: dict[int, list] = {}
-        if forwarders:
-            fset = frozenset(forwarders)
-            cache = {}
-            for ti, tp in enumerate(plan.tensor_plans):
-                ck = (id(tp), isz[ti])
-                d = cache.get(ck)
-                if d is None:
-                    d = cache[ck] = replay_digest(tp, isz[ti], fset)
-                for i, sizes, pieces in d:
-                    # Only the sizes decide the buckets; only pieces forwarded here are kept.
-                    lst = replay_sizes.setdefault(i, [])
-                    fw = forwards[ti]
-                    if fw is not None and pair_keys[i][1] in fw:
-                        pos = len(lst)
-                        replay_marks.setdefault(i, []).extend(
-                            [(pos + j, (nb, ti, box, parent))
-                             for j, (box, nb, parent) in enumerate(pieces)])
-                    lst.extend(sizes)
+                d = cache[ck] = replay_digest(tp, isz[ti], fset)
+            for i, sizes, pieces in d:
+                # Only the sizes decide the buckets; only pieces forwarded here are kept.
+                lst = replay_sizes.setdefault(i, [])
+                fw = forwards[ti]
+                if fw is not None and pair_keys[i][1] in fw:
+                    pos = len(lst)
+                    replay_marks.setdefault(i, []).extend(
+                        [(pos + j, (nb, ti, box, parent))
+                         for j, (box, nb, parent) in enumerate(pieces)])
+                lst.extend(sizes)
 
-        def buckets(i, entries):
-            """(k, entries) of pair i: our pairs' buckets, or a replayed pair's buckets that
-            hold pieces forwarded to us (found from the piece sizes alone)."""
-            if pair_keys[i][3]:
-                return enumerate(_pack(entries, bucket_bytes, size_at=0))
-            starts, cur = [], 0
-            for pos, nb in enumerate(replay_sizes.get(i, ())):
-                if cur and cur + nb > bucket_bytes:
-                    starts.append(pos)
-                    cur = 0
-                cur += nb
-            by_k: dict[int, list] = {}
-            for pos, entry in replay_marks.get(i, ()):
-                by_k.setdefault(bisect_right(starts, pos), []).append(entry)
-            return by_k.items()
+    def buckets(i, entries):
+        """(k, entries) of pair i: our pairs' buckets, or a replayed pair's buckets that
+        hold pieces forwarded to us (found from the piece sizes alone)."""
+        if pair_keys[i][3]:
+            return enumerate(_pack(entries, bucket_bytes, size_at=0))
+        starts, cur = [], 0
+        for pos, nb in enumerate(replay_sizes.get(i, ())):
+            if cur and cur + nb > bucket_bytes:
+                starts.append(pos)
+                cur = 0
+            cur += nb
+        by_k: dict[int, list] = {}
+        for pos, entry in replay_marks.get(i, ()):
+            by_k.setdefault(bisect_right(starts, pos), []).append(entry)
+        return by_k.items()
 
-        any_forwards = any(f is not None for f in forwards)
-        for i, (src, dst, path, ours) in enumerate(pair_keys):
-            rot = (n_src + dst - (src.rank if src.side == "src" else n_src + src.rank)) % world
-            gsrc = src.rank if src.side == "src" else n_src + src.rank
-            forwarder_mine = dst in my_dst
-            for k, bucket in buckets(i, pair_lists[i]):
-                key = (k, _PATH_ORDER[path], rot, gsrc, dst, 0, -1)
-                if ours:
-                    emit(key, src, dst, path, bucket)
-                if path != NETWORK or not any_forwards:
+    any_forwards = any(f is not None for f in forwards)
+    for i, (src, dst, path, ours) in enumerate(pair_keys):
+        rot = (n_src + dst - (src.rank if src.side == "src" else n_src + src.rank)) % world
+        gsrc = src.rank if src.side == "src" else n_src + src.rank
+        forwarder_mine = dst in my_dst
+        for k, bucket in buckets(i, pair_lists[i]):
+            key = (k, _PATH_ORDER[path], rot, gsrc, dst, 0, -1)
+            if ours:
+                emit(key, src, dst, path, bucket)
+            if path != NETWORK or not any_forwards:
+                continue
+            fwd: dict[tuple, list] = defaultdict(list)
+            for entry in bucket:
+                fw = forwards[entry[1]]
+                fs = None if fw is None else fw.get(dst)
+                if fs is None:
                     continue
-                fwd: dict[tuple, list] = defaultdict(list)
-                for entry in bucket:
-                    fw = forwards[entry[1]]
-                    fs = None if fw is None else fw.get(dst)
-                    if fs is None:
-                        continue
-                    parent = entry[3]
-                    for box, target_path in fs:
-                        if box == parent and (forwarder_mine or target_path[0] in my_dst):
-                            fwd[target_path].append(entry)
-                for (target, fpath), fentries in sorted(fwd.items()):
-                    emit(forward_key(key, target), Endpoint("dst", dst), target, fpath,
-                         fentries)
-        transfers.sort(key=lambda t: t.key)
-        return transfers
+                parent = entry[3]
+                for box, target_path in fs:
+                    if box == parent and (forwarder_mine or target_path[0] in my_dst):
+                        fwd[target_path].append(entry)
+            for (target, fpath), fentries in sorted(fwd.items()):
+                emit(forward_key(key, target), Endpoint("dst", dst), target, fpath,
+                     fentries)
+    transfers.sort(key=lambda t: t.key)
+    return transfers
 
 
 def _pack(entries: list, bucket_bytes: int, size_at: int = 1) -> list[list]:

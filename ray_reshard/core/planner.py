@@ -169,10 +169,15 @@ class TensorPlan:
     def moves(self) -> tuple[Move, ...]:
         moves = self._moves
         if moves is None:
-            senders, sidx, dsts, boxes, paths = self._canon.compact
-            real = [self._rename_sender(e) for e in senders]
-            moves = self._moves = tuple(map(_move, map(real.__getitem__, sidx),
-                                            map(self._dranks.__getitem__, dsts), boxes, paths))
+            if self._canon is None:          # shipped as columns
+                senders, sidx, dsts, boxes, paths = self._compact
+                moves = tuple(map(_move, map(senders.__getitem__, sidx), dsts, boxes, paths))
+            else:
+                senders, sidx, dsts, boxes, paths = self._canon.compact
+                real = [self._rename_sender(e) for e in senders]
+                moves = tuple(map(_move, map(real.__getitem__, sidx),
+                                  map(self._dranks.__getitem__, dsts), boxes, paths))
+            self._moves = moves
         return moves
 
     @property
@@ -218,7 +223,9 @@ class TensorPlan:
 
     @property
     def n_moves(self) -> int:
-        return len(self._moves if self._moves is not None else self._canon.moves)
+        if self._moves is not None:
+            return len(self._moves)
+        return self._canon.n_moves if self._canon is not None else len(self._compact[1])
 
     @property
     def rotations(self) -> int:
@@ -271,11 +278,17 @@ class TensorPlan:
         if not picked:
             return []
         picked = sorted(set(picked))
-        if self._canon is None:
-            moves = self.moves
+        if self._moves is not None:
+            moves = self._moves
             return [moves[i] for i in picked]
         senders, sidx, dsts, boxes, paths = canon.compact
-        real = [self._rename_sender(e) for e in senders]
+        if self._canon is None:
+            return [_move(senders[sidx[i]], dsts[i], boxes[i], paths[i]) for i in picked]
+        real: dict = {}
+        for i in picked:
+            j = sidx[i]
+            if j not in real:
+                real[j] = self._rename_sender(senders[j])
         dr = self._dranks
         return [_move(real[sidx[i]], dr[dsts[i]], boxes[i], paths[i]) for i in picked]
 
@@ -322,8 +335,11 @@ class TensorPlan:
         if self._canon is not None and self._moves is None:
             return (TensorPlan.renamed, (self._canon, self._sranks, self._dranks))
         senders, sidx, dsts, boxes, paths = self.compact
-        offsets = tuple([b.offsets for b in boxes])
-        sizes = tuple([b.sizes for b in boxes])
+        if isinstance(boxes, _Boxes):
+            offsets, sizes = boxes.offsets, boxes.sizes
+        else:
+            offsets = tuple([b.offsets for b in boxes])
+            sizes = tuple([b.sizes for b in boxes])
         return (_restore_plan, (self.shape, self.itemsize, senders, sidx, dsts, offsets, sizes,
                                 paths, self.stats, self.rotations))
 
@@ -512,11 +528,34 @@ def _box(offsets: tuple, sizes: tuple) -> Box:
     return b
 
 
+class _Boxes:
+    """Boxes given as offset and size columns, each built on first use (a shipped canonical
+    plan's moves: a process looks at the few its share touches)."""
+
+    __slots__ = ("offsets", "sizes", "_built")
+
+    def __init__(self, offsets: tuple, sizes: tuple):
+        self.offsets, self.sizes = offsets, sizes
+        self._built = [None] * len(offsets)
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __getitem__(self, i: int) -> Box:
+        b = self._built[i]
+        if b is None:
+            b = self._built[i] = _box(self.offsets[i], self.sizes[i])
+        return b
+
+    def __iter__(self):
+        return map(self.__getitem__, range(len(self.offsets)))
+
+
 def _restore_plan(shape, itemsize, senders, sidx, dsts, offsets, sizes, paths, stats,
                   rotations) -> TensorPlan:
-    moves = tuple(map(_move, map(senders.__getitem__, sidx), dsts, map(_box, offsets, sizes),
-                      paths))
-    return TensorPlan(shape, itemsize, moves, stats, rotations)
+    tp = TensorPlan(shape, itemsize, None, stats, rotations)
+    tp._compact = (senders, sidx, dsts, _Boxes(offsets, sizes), paths)
+    return tp
 
 
 def _is_identity(ranks: tuple) -> bool:
