@@ -201,6 +201,7 @@ def actor_step(path: str, side: str, rank: int, bucket_bytes: int) -> dict:
     with open(path, "rb") as f:
         blob = f.read()
     torch.set_num_threads(1)
+    gc.collect()          # an actor at rest: no garbage pending from starting this process
     t0 = time.process_time()
     q = pickle.loads(blob)
     t_load = time.process_time() - t0
