@@ -142,9 +142,12 @@ class Slots:
         return NotImplemented
 
     def __hash__(self):
+        # The rank count and end ranks, not every rank: equal tables still hash alike, and
+        # hashing hundreds of ranks per table dominated looking up a spec set.
         h = self._hash
         if h is None:
-            h = self._hash = hash((self.ranks, self._slot, self._slots))
+            r = self.ranks
+            h = self._hash = hash((len(r), r[:1], r[-1:], self._slot, self._slots))
         return h
 
     def __reduce__(self):
@@ -269,6 +272,7 @@ class TensorSpec:
                 raise TypeError(f"{side} must be a Layout, got {type(getattr(self, side)).__name__}")
         object.__setattr__(self, "src_slots", _freeze_slots(self.src_slots))
         object.__setattr__(self, "dst_slots", _freeze_slots(self.dst_slots))
+        hash(self)        # cached now: computing it later, at a refit, allocates per spec
 
     @property
     def source_dtype(self) -> torch.dtype:
