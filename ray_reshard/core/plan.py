@@ -454,12 +454,10 @@ def _share(plan: Plan, mine: frozenset, bucket_bytes: int) -> list[Transfer]:
         hold pieces forwarded to us (found from the piece sizes alone)."""
         if pair_keys[i][3]:
             return enumerate(_pack(entries, bucket_bytes, size_at=0))
-        starts, cur = [], 0
-        for pos, nb in enumerate(replay_sizes.get(i, ())):
-            if cur and cur + nb > bucket_bytes:
-                starts.append(pos)
-                cur = 0
-            cur += nb
+        marks = replay_marks.get(i)
+        if not marks:
+            return ()
+        starts = _bucket_starts(replay_sizes[i], bucket_bytes)
         by_k: dict[int, list] = {}
         for pos, entry in replay_marks.get(i, ()):
             by_k.setdefault(bisect_right(starts, pos), []).append(entry)
@@ -491,6 +489,23 @@ def _share(plan: Plan, mine: frozenset, bucket_bytes: int) -> list[Transfer]:
                      fentries)
     transfers.sort(key=lambda t: t.key)
     return transfers
+
+
+def _bucket_starts(sizes: list, bucket_bytes: int) -> list[int]:
+    """Where `_pack` starts each bucket after the first, for entries of these byte sizes
+    (a bucket takes entries while they fit; an entry larger than a bucket goes alone)."""
+    ends = np.cumsum(np.asarray(sizes, dtype=np.int64))
+    n = len(ends)
+    starts = []
+    pos, before = 0, 0
+    while True:
+        # the first entry that would overflow a bucket opened at `pos`
+        nxt = int(np.searchsorted(ends, before + bucket_bytes, side="right"))
+        nxt = max(nxt, pos + 1)
+        if nxt >= n:
+            return starts
+        starts.append(nxt)
+        pos, before = nxt, int(ends[nxt - 1])
 
 
 def _pack(entries: list, bucket_bytes: int, size_at: int = 1) -> list[list]:
