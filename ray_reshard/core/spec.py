@@ -253,10 +253,12 @@ class TensorSpec:
             shape = tuple(shape)
         if not isinstance(shape, (tuple, list)):
             raise TypeError(f"shape must be a tuple of ints, got {shape!r}")
-        for s in shape:
-            if isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 0:
-                raise ValueError(f"shape {tuple(shape)} must hold non-negative ints, got {s!r}")
-        object.__setattr__(self, "shape", tuple(int(s) for s in shape))
+        if type(shape) is not tuple or not all([type(s) is int and s >= 0 for s in shape]):
+            for s in shape:
+                if isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 0:
+                    raise ValueError(f"shape {tuple(shape)} must hold non-negative ints, "
+                                     f"got {s!r}")
+            object.__setattr__(self, "shape", tuple(int(s) for s in shape))
         if not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {self.dtype!r}")
         if self.src_dtype is not None and not isinstance(self.src_dtype, torch.dtype):
