@@ -68,6 +68,7 @@ class EngineSide:
         self.d = dims
         self._cache: dict[str, tuple[Layout, Slots]] = {}
         self._layouts: dict[tuple, Layout] = {}
+        self._by_grid: dict[tuple, Layout] = {}           # _rep/_shard: (kind, grid) -> layout
         self._grids: dict[Hashable, np.ndarray] = {}
         self._sorted: dict[int, tuple[int, ...]] = {}     # id(layout) -> sorted ranks
         self._names: dict[Optional[int], dict] = {}
@@ -141,11 +142,21 @@ class EngineSide:
 
     def _rep(self, grid: np.ndarray) -> Layout:
         """Every rank of the grid holds the whole piece."""
-        return self._layout(np.asarray(grid).reshape(-1), (Replicate(),))
+        grid = np.asarray(grid)
+        key = (grid.size, grid.tobytes())       # placements made only on a miss
+        lay = self._by_grid.get(key)
+        if lay is None:
+            lay = self._by_grid[key] = self._layout(grid.reshape(-1), (Replicate(),))
+        return lay
 
     def _shard(self, grid: np.ndarray, dim: int, block: Optional[int] = None) -> Layout:
         """grid [replicas, n]: replicate over rows, shard tensor dim `dim` over columns."""
-        return self._layout(grid, (Replicate(), Shard(dim, block)))
+        grid = np.asarray(grid)
+        key = (dim, block, grid.shape, grid.tobytes())
+        lay = self._by_grid.get(key)
+        if lay is None:
+            lay = self._by_grid[key] = self._layout(grid, (Replicate(), Shard(dim, block)))
+        return lay
 
     def _same(self, layout: Layout, slot: Slot) -> tuple[Layout, Slots]:
         """Every rank of the layout keeps the piece in the same slot."""
