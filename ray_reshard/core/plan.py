@@ -384,7 +384,7 @@ def _share(plan: Plan, mine: frozenset, bucket_bytes: int) -> list[Transfer]:
                 fwds.setdefault(src.rank, []).append((m.box, (dst, m.path)))
             else:
                 pairs[slot((src, dst, m.path))] += cut(m.box, size, max_numel)
-        return list(pairs.items()), fwds or None
+        return [(pair_lists[i], pieces) for i, pieces in pairs.items()], fwds or None
 
     def replay_digest(tp, size, fset):
         """Network pieces into forwarders (not ours) from sources (not ours)."""
@@ -408,45 +408,46 @@ def _share(plan: Plan, mine: frozenset, bucket_bytes: int) -> list[Transfer]:
             pair_lists.append([])
         return i
 
-    def expand(digested, ti):
-        for i, pieces in digested:
-            pair_lists[i].extend([(nb, ti, box, parent) for box, nb, parent in pieces])
-
     def emit(key, src, dst, path, entries):
         transfers.append(_transfer(isz, key, src, dst, path,
-                                   [(Item(ti, box), nb) for nb, ti, box, _ in entries]))
+                                   [(_item(ti, box), nb) for nb, ti, box, _ in entries]))
 
-    cache: dict = {}
+    digests: dict = {}
     forwarders: set = set()          # destination ranks, not ours, forwarding to ours
     for ti, tp in enumerate(plan.tensor_plans):
         ck = (id(tp), isz[ti])
-        d = cache.get(ck)
+        d = digests.get(ck)
         if d is None:
-            d = cache[ck] = digest(tp, isz[ti])
+            d = digests[ck] = digest(tp, isz[ti])
             if d[1]:
                 forwarders.update(f for f in d[1] if f not in my_dst)
-        expand(d[0], ti)
+        for into, pieces in d[0]:
+            into.extend([(nb, ti, box, parent) for box, nb, parent in pieces])
         forwards[ti] = d[1]
     # Network pairs into forwarders that are not ours: only to key their forwards to us.
     replay_sizes: dict[int, list] = {}
     replay_marks: dict[int, list] = {}
     if forwarders:
         fset = frozenset(forwarders)
-        cache = {}
+        cache: dict = {}
         for ti, tp in enumerate(plan.tensor_plans):
             ck = (id(tp), isz[ti])
             d = cache.get(ck)
             if d is None:
-                d = cache[ck] = replay_digest(tp, isz[ti], fset)
-            for i, sizes, pieces in d:
+                # Per pair: its sizes list, and its marks list when the tensors of this plan
+                # have pieces forwarded here from that pair's forwarder (else None).
+                fw = digests[ck][1]
+                d = cache[ck] = [
+                    (replay_sizes.setdefault(i, []), sizes,
+                     replay_marks.setdefault(i, []) if fw and pair_keys[i][1] in fw else None,
+                     pieces)
+                    for i, sizes, pieces in replay_digest(tp, isz[ti], fset)]
+            for lst, sizes, marks, pieces in d:
                 # Only the sizes decide the buckets; only pieces forwarded here are kept.
-                lst = replay_sizes.setdefault(i, [])
-                fw = forwards[ti]
-                if fw is not None and pair_keys[i][1] in fw:
+                if marks is not None:
                     pos = len(lst)
-                    replay_marks.setdefault(i, []).extend(
-                        [(pos + j, (nb, ti, box, parent))
-                         for j, (box, nb, parent) in enumerate(pieces)])
+                    marks.extend([(pos + j, (nb, ti, box, parent))
+                                  for j, (box, nb, parent) in enumerate(pieces)])
                 lst.extend(sizes)
 
     def buckets(i, entries):
@@ -534,6 +535,15 @@ def parent_key(forward: "Transfer") -> tuple:
     """Key of the network bucket whose data a forwarded bucket passes on."""
     k = forward.key
     return (k[0] - 1,) + k[2:6] + (0, -1)
+
+
+def _item(tensor: int, box: Box) -> Item:
+    """Item(tensor, box) without the frozen-dataclass __init__ (one per piece of a share)."""
+    it = _new(Item)
+    d = it.__dict__
+    d["tensor"] = tensor
+    d["box"] = box
+    return it
 
 
 def _transfer(isz, key, src, dst, path, entries) -> Transfer:
