@@ -274,7 +274,10 @@ class TensorSpec:
                 raise TypeError(f"{side} must be a Layout, got {type(getattr(self, side)).__name__}")
         object.__setattr__(self, "src_slots", _freeze_slots(self.src_slots))
         object.__setattr__(self, "dst_slots", _freeze_slots(self.dst_slots))
-        hash(self)        # cached now: computing it later, at a refit, allocates per spec
+        try:
+            hash(self)    # cached now: computing it later, at a refit, allocates per spec
+        except TypeError:
+            pass          # an unhashable field (e.g. a list as Slot index): fails when hashed
 
     @property
     def source_dtype(self) -> torch.dtype:
