@@ -6,4 +6,4 @@ from .placement import Placement, Replicate, Shard, as_placement
 from .plan import DEFAULT_BUCKET_BYTES, Item, Plan, PlanStats, Schedule, Transfer, plan
 from .planner import DOMAIN, LOCAL, NETWORK, Endpoint, Move, PlanError, TensorPlan, Topology
 from .slicing import assemble, shard_tensor
-from .spec import Slot, TensorSpec
+from .spec import Slot, Slots, TensorSpec

@@ -67,6 +67,15 @@ class Mesh:
     def size(self) -> int:
         return len(self.ranks)
 
+    @property
+    def rank_set(self) -> frozenset:
+        """The ranks as a set (cached)."""
+        rs = self.__dict__.get("_rank_set")
+        if rs is None:
+            rs = frozenset(self.ranks)
+            object.__setattr__(self, "_rank_set", rs)
+        return rs
+
     def coords(self, rank: int) -> Optional[tuple[int, ...]]:
         """Grid coordinates of `rank`, or None when the rank is not in this mesh."""
         c = self._coords.get(rank)
@@ -97,6 +106,7 @@ class Mesh:
         # String hashes differ between processes: never ship a cached hash.
         state = dict(self.__dict__)
         state.pop("_hash", None)
+        state.pop("_rank_set", None)
         return state
 
     def __repr__(self) -> str:

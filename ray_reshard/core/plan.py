@@ -7,13 +7,15 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from bisect import bisect_right
-from itertools import repeat
+from array import array
 from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import numpy as np
 
 from .box import Box
 from .planner import (DOMAIN, LOCAL, NETWORK, Endpoint, Move, PlanError, TensorPlan, Topology,
                       plan_tensor)
-from .spec import TensorSpec
+from .spec import TensorSpec, pack_slot_tables, unpack_slot_tables
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 
@@ -95,21 +97,15 @@ class Plan:
         """The TensorSpecs, in `names` order."""
         sp = self.__dict__.get("_specs")
         if sp is None:
-            sp = self._specs = tuple([_spec(*c, None) for c in self.__dict__.pop("_spec_columns")])
+            with gc_paused():        # tens of thousands of acyclic objects
+                sp = self._specs = _unpack_specs(self.__dict__.pop("_spec_columns"))
         return sp
 
     def localize(self, endpoints: Iterable[Endpoint]) -> None:
-        """In a process that holds only `endpoints`: unpack the specs of a shipped plan with
-        only these ranks' slots (a model recipe gives every tensor a slot for every rank; the
-        others are never looked up here). No effect on a plan whose specs are unpacked."""
-        columns = self.__dict__.pop("_spec_columns", None)
-        if columns is None:
-            return
-        mine = {"src": set(), "dst": set()}
-        for ep in endpoints:
-            mine[ep.side].add(ep.rank)
-        only = {side: tuple(sorted(r)) for side, r in mine.items()}
-        self._specs = tuple([_spec(*c, only) for c in columns])
+        """Prepare a shipped plan for a process that holds only `endpoints` (unpacks the specs;
+        slot tables stay compact, so every rank's share is as cheap as one rank's). No effect
+        on a plan whose specs are unpacked."""
+        self.specs
 
     @cached_property
     def index(self) -> dict[str, int]:
@@ -132,7 +128,7 @@ class Plan:
         tot = defaultdict(int)
         distinct = self._distinct
         for tp, n in distinct:
-            s = tp.stats
+            s = tp.totals
             numel = 1
             for d in tp.shape:
                 numel *= d
@@ -142,7 +138,7 @@ class Plan:
             tot["local"] += n * s.local_bytes
             tot["min"] += n * s.min_network_bytes
             tot["gb"] += n * s.gather_broadcast_bytes
-            tot["moves"] += n * len(tp.moves)
+            tot["moves"] += n * tp.n_moves
         send, recv = self.send_bytes_by_rank, self.recv_bytes_by_rank
         return PlanStats(
             total_bytes=tot["total"], network_bytes=tot["network"], domain_bytes=tot["domain"],
@@ -153,19 +149,19 @@ class Plan:
 
     @cached_property
     def send_bytes_by_rank(self) -> dict[int, int]:
-        out = defaultdict(int)
-        for tp, n in self._distinct:
-            for r, b in tp.stats.send_bytes:
-                out[r] += n * b
-        return dict(out)
+        return self._network_bytes_by_rank(0, self.topology.n_src)
 
     @cached_property
     def recv_bytes_by_rank(self) -> dict[int, int]:
-        out = defaultdict(int)
-        for tp, n in self._distinct:
-            for r, b in tp.stats.recv_bytes:
-                out[r] += n * b
-        return dict(out)
+        return self._network_bytes_by_rank(1, self.topology.n_dst)
+
+    def _network_bytes_by_rank(self, which: int, n: int) -> dict[int, int]:
+        """rank -> network bytes it sends (which=0) or receives (which=1), ranks with some."""
+        out = np.zeros(n, dtype=np.int64)
+        for tp, count in self._distinct:
+            ranks, nbytes = tp.network_bytes_arrays()[which]
+            np.add.at(out, ranks, nbytes * count)
+        return {int(r): int(out[r]) for r in np.flatnonzero(out)}
 
     def for_rank(self, side: str, rank: int) -> dict[str, tuple[Move, ...]]:
         """The moves (by tensor name) that rank `rank` of `side` sends or receives."""
@@ -188,18 +184,13 @@ class Plan:
 
     def __getstate__(self):
         # Schedules are caches, often far larger than the plan: rebuild them where needed.
-        # Specs travel as columns: model recipes give every tensor a slot per rank (hundreds of
-        # (rank, Slot) pairs, millions in all), which pickled one by one dominated shipping.
+        # Specs travel as columns (see `_pack_specs`).
         state = {k: v for k, v in self.__dict__.items()
                  if k in ("names", "topology", "tensor_plans")}
         if "_spec_columns" in self.__dict__:     # shipped on without being unpacked
             state["spec_columns"] = self.__dict__["_spec_columns"]
             return state
-        ranks_seen: dict = {}
-        state["spec_columns"] = [
-            (sp.shape, sp.dtype, sp.src, sp.dst, sp.src_dtype,
-             _pack_slots(sp.src_slots, ranks_seen), _pack_slots(sp.dst_slots, ranks_seen))
-            for sp in self.specs]
+        state["spec_columns"] = _pack_specs(self.specs)
         return state
 
     def __reduce__(self):
@@ -227,38 +218,42 @@ def _load_plan(state: dict) -> "Plan":
     return p
 
 
-def _pack_slots(table, ranks_seen: dict):
-    """(ranks, slot) when every rank has the same Slot object, else (ranks, slots)."""
-    if not table:
-        return table
-    ranks, slots = zip(*table)
-    ranks = ranks_seen.setdefault(ranks, ranks)
-    first = slots[0]
-    if slots.count(first) == len(slots):
-        return (ranks, first, True)
-    return (ranks, slots, False)
-
-
-def _unpack_slots(packed, only):
-    if not packed:
-        return packed
-    ranks, slots, same = packed
-    if only is None:
-        return tuple(zip(ranks, repeat(slots, len(ranks)) if same else slots))
-    return tuple([(r, slots if same else slots[ranks.index(r)]) for r in only if r in ranks])
+def _pack_specs(specs: Sequence[TensorSpec]) -> tuple:
+    """Specs as columns: each distinct (shape, dtype, layouts, source dtype) once, and per
+    spec its index, and the slot tables (see `pack_slot_tables`)."""
+    kinds: dict = {}
+    kind_of, src_slots, dst_slots = [], [], []
+    for sp in specs:
+        k = (sp.shape, sp.dtype, id(sp.src), id(sp.dst), sp.src_dtype)
+        i = kinds.get(k)
+        if i is None:
+            i = kinds[k] = len(kinds)
+        kind_of.append(i)
+        src_slots.append(sp.src_slots)
+        dst_slots.append(sp.dst_slots)
+    by_id = {id(sp.src): sp.src for sp in specs}
+    by_id.update((id(sp.dst), sp.dst) for sp in specs)
+    table = [(shape, dtype, by_id[s], by_id[d], sdt) for (shape, dtype, s, d, sdt) in kinds]
+    return table, array("I", kind_of), pack_slot_tables(src_slots), pack_slot_tables(dst_slots)
 
 
 _new = object.__new__
 
 
-def _spec(shape, dtype, src, dst, src_dtype, src_slots, dst_slots, only) -> TensorSpec:
-    """A TensorSpec from validated fields (no re-validation: it was checked when planned), with
-    the slots of the ranks `only[side]` (None: all)."""
-    sp = _new(TensorSpec)
-    sp.__dict__.update(shape=shape, dtype=dtype, src=src, dst=dst, src_dtype=src_dtype,
-                       src_slots=_unpack_slots(src_slots, None if only is None else only["src"]),
-                       dst_slots=_unpack_slots(dst_slots, None if only is None else only["dst"]))
-    return sp
+def _unpack_specs(columns) -> tuple[TensorSpec, ...]:
+    """TensorSpecs from `_pack_specs` columns, built from validated fields (no re-validation:
+    they were checked when planned)."""
+    table, kind_of, src_slots, dst_slots = columns
+    src_slots, dst_slots = unpack_slot_tables(src_slots), unpack_slot_tables(dst_slots)
+    out = []
+    append = out.append
+    for k, ss, ds in zip(kind_of, src_slots, dst_slots):
+        shape, dtype, src, dst, sdt = table[k]
+        sp = _new(TensorSpec)
+        sp.__dict__.update(shape=shape, dtype=dtype, src=src, dst=dst, src_dtype=sdt,
+                           src_slots=ss, dst_slots=ds)
+        append(sp)
+    return tuple(out)
 
 
 class Schedule:
@@ -356,12 +351,18 @@ def build_share(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int) ->
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    mine = frozenset(endpoints)
+    # The work's temporaries are freed when _share returns, before the collector runs again.
+    with gc_paused():
+        return _share(plan, frozenset(endpoints), bucket_bytes)
+
+
+def _share(plan: Plan, mine: frozenset, bucket_bytes: int) -> list[Transfer]:
     my_dst = {e.rank for e in mine if e.side == "dst"}
     n_src = plan.topology.n_src
     world = n_src + plan.topology.n_dst
     isz = [spec.itemsize for spec in plan.specs]
-    forwards: dict[tuple, list] = defaultdict(list)
+    # per tensor: {forwarder dst rank: [(box, (target, path)), ...]} (shared per tensor plan)
+    forwards: list = [None] * len(plan.tensor_plans)
     transfers: list[Transfer] = []
 
     def cut(box, size, max_numel):
@@ -376,22 +377,21 @@ def build_share(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int) ->
         """Our pairs' pieces and the forwards we take part in, for one distinct tensor plan."""
         max_numel = max(1, bucket_bytes // size)
         pairs: dict[tuple, list] = defaultdict(list)
-        fwds = []
-        for m in tp.moves:
+        fwds: dict[int, list] = {}
+        for m in tp.touching(my_src, my_dst):       # sent, forwarded or received here
             src, dst = m.src, m.dst
             if src.side == "dst":
-                if src.rank in my_dst or dst in my_dst:
-                    fwds.append((src.rank, m.box, (dst, m.path)))
-            elif src.rank in my_src or dst in my_dst:
+                fwds.setdefault(src.rank, []).append((m.box, (dst, m.path)))
+            else:
                 pairs[slot((src, dst, m.path))] += cut(m.box, size, max_numel)
-        return list(pairs.items()), fwds
+        return [(pair_lists[i], pieces) for i, pieces in pairs.items()], fwds or None
 
     def replay_digest(tp, size, fset):
         """Network pieces into forwarders (not ours) from sources (not ours)."""
         max_numel = max(1, bucket_bytes // size)
         pairs: dict[tuple, list] = defaultdict(list)
-        for m in tp.moves:
-            if (m.dst in fset and m.path == NETWORK and m.src.side == "src"
+        for m in tp.into(fset):
+            if (m.path == NETWORK and m.src.side == "src"
                     and m.src.rank not in my_src):   # our own sends are cut above
                 pairs[slot((m.src, m.dst, NETWORK), False)] += cut(m.box, size, max_numel)
         return [(i, tuple([nb for _, nb, _ in pieces]), pieces) for i, pieces in pairs.items()]
@@ -408,87 +408,105 @@ def build_share(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int) ->
             pair_lists.append([])
         return i
 
-    def expand(digested, ti):
-        for i, pieces in digested:
-            pair_lists[i].extend([(nb, ti, box, parent) for box, nb, parent in pieces])
-
     def emit(key, src, dst, path, entries):
         transfers.append(_transfer(isz, key, src, dst, path,
-                                   [(Item(ti, box), nb) for nb, ti, box, _ in entries]))
+                                   [(_item(ti, box), nb) for nb, ti, box, _ in entries]))
 
-    with gc_paused():
+    digests: dict = {}
+    forwarders: set = set()          # destination ranks, not ours, forwarding to ours
+    for ti, tp in enumerate(plan.tensor_plans):
+        ck = (id(tp), isz[ti])
+        d = digests.get(ck)
+        if d is None:
+            d = digests[ck] = digest(tp, isz[ti])
+            if d[1]:
+                forwarders.update(f for f in d[1] if f not in my_dst)
+        for into, pieces in d[0]:
+            into.extend([(nb, ti, box, parent) for box, nb, parent in pieces])
+        forwards[ti] = d[1]
+    # Network pairs into forwarders that are not ours: only to key their forwards to us.
+    replay_sizes: dict[int, list] = {}
+    replay_marks: dict[int, list] = {}
+    if forwarders:
+        fset = frozenset(forwarders)
         cache: dict = {}
-        forwarders: set = set()          # destination ranks, not ours, forwarding to ours
         for ti, tp in enumerate(plan.tensor_plans):
             ck = (id(tp), isz[ti])
             d = cache.get(ck)
             if d is None:
-                d = cache[ck] = digest(tp, isz[ti])
-                forwarders.update(f for f, _, _ in d[1] if f not in my_dst)
-            expand(d[0], ti)
-            for f, box, tgt in d[1]:
-                forwards[(f, ti)].append((box, tgt))
-        # Network pairs into forwarders that are not ours: only to key their forwards to us.
-        replay_sizes: dict[int, list] = {}
-        replay_marks: dict[int, list] = {}
-        if forwarders:
-            fset = frozenset(forwarders)
-            cache = {}
-            for ti, tp in enumerate(plan.tensor_plans):
-                ck = (id(tp), isz[ti])
-                d = cache.get(ck)
-                if d is None:
-                    d = cache[ck] = replay_digest(tp, isz[ti], fset)
-                for i, sizes, pieces in d:
-                    # Only the sizes decide the buckets; only pieces forwarded here are kept.
-                    lst = replay_sizes.setdefault(i, [])
-                    if (pair_keys[i][1], ti) in forwards:
-                        pos = len(lst)
-                        replay_marks.setdefault(i, []).extend(
-                            [(pos + j, (nb, ti, box, parent))
-                             for j, (box, nb, parent) in enumerate(pieces)])
-                    lst.extend(sizes)
+                # Per pair: its sizes list, and its marks list when the tensors of this plan
+                # have pieces forwarded here from that pair's forwarder (else None).
+                fw = digests[ck][1]
+                d = cache[ck] = [
+                    (replay_sizes.setdefault(i, []), sizes,
+                     replay_marks.setdefault(i, []) if fw and pair_keys[i][1] in fw else None,
+                     pieces)
+                    for i, sizes, pieces in replay_digest(tp, isz[ti], fset)]
+            for lst, sizes, marks, pieces in d:
+                # Only the sizes decide the buckets; only pieces forwarded here are kept.
+                if marks is not None:
+                    pos = len(lst)
+                    marks.extend([(pos + j, (nb, ti, box, parent))
+                                  for j, (box, nb, parent) in enumerate(pieces)])
+                lst.extend(sizes)
 
-        def buckets(i, entries):
-            """(k, entries) of pair i: our pairs' buckets, or a replayed pair's buckets that
-            hold pieces forwarded to us (found from the piece sizes alone)."""
-            if pair_keys[i][3]:
-                return enumerate(_pack(entries, bucket_bytes, size_at=0))
-            starts, cur = [], 0
-            for pos, nb in enumerate(replay_sizes.get(i, ())):
-                if cur and cur + nb > bucket_bytes:
-                    starts.append(pos)
-                    cur = 0
-                cur += nb
-            by_k: dict[int, list] = {}
-            for pos, entry in replay_marks.get(i, ()):
-                by_k.setdefault(bisect_right(starts, pos), []).append(entry)
-            return by_k.items()
+    def buckets(i, entries):
+        """(k, entries) of pair i: our pairs' buckets, or a replayed pair's buckets that
+        hold pieces forwarded to us (found from the piece sizes alone)."""
+        if pair_keys[i][3]:
+            return enumerate(_pack(entries, bucket_bytes, size_at=0))
+        marks = replay_marks.get(i)
+        if not marks:
+            return ()
+        starts = _bucket_starts(replay_sizes[i], bucket_bytes)
+        by_k: dict[int, list] = {}
+        for pos, entry in replay_marks.get(i, ()):
+            by_k.setdefault(bisect_right(starts, pos), []).append(entry)
+        return by_k.items()
 
-        for i, (src, dst, path, ours) in enumerate(pair_keys):
-            rot = (n_src + dst - (src.rank if src.side == "src" else n_src + src.rank)) % world
-            gsrc = src.rank if src.side == "src" else n_src + src.rank
-            forwarder_mine = dst in my_dst
-            for k, bucket in buckets(i, pair_lists[i]):
-                key = (k, _PATH_ORDER[path], rot, gsrc, dst, 0, -1)
-                if ours:
-                    emit(key, src, dst, path, bucket)
-                if path != NETWORK or not forwards:
+    any_forwards = any(f is not None for f in forwards)
+    for i, (src, dst, path, ours) in enumerate(pair_keys):
+        rot = (n_src + dst - (src.rank if src.side == "src" else n_src + src.rank)) % world
+        gsrc = src.rank if src.side == "src" else n_src + src.rank
+        forwarder_mine = dst in my_dst
+        for k, bucket in buckets(i, pair_lists[i]):
+            key = (k, _PATH_ORDER[path], rot, gsrc, dst, 0, -1)
+            if ours:
+                emit(key, src, dst, path, bucket)
+            if path != NETWORK or not any_forwards:
+                continue
+            fwd: dict[tuple, list] = defaultdict(list)
+            for entry in bucket:
+                fw = forwards[entry[1]]
+                fs = None if fw is None else fw.get(dst)
+                if fs is None:
                     continue
-                fwd: dict[tuple, list] = defaultdict(list)
-                for entry in bucket:
-                    fs = forwards.get((dst, entry[1]))
-                    if fs is None:
-                        continue
-                    parent = entry[3]
-                    for box, target_path in fs:
-                        if box == parent and (forwarder_mine or target_path[0] in my_dst):
-                            fwd[target_path].append(entry)
-                for (target, fpath), fentries in sorted(fwd.items()):
-                    emit(forward_key(key, target), Endpoint("dst", dst), target, fpath,
-                         fentries)
-        transfers.sort(key=lambda t: t.key)
-        return transfers
+                parent = entry[3]
+                for box, target_path in fs:
+                    if box == parent and (forwarder_mine or target_path[0] in my_dst):
+                        fwd[target_path].append(entry)
+            for (target, fpath), fentries in sorted(fwd.items()):
+                emit(forward_key(key, target), Endpoint("dst", dst), target, fpath,
+                     fentries)
+    transfers.sort(key=lambda t: t.key)
+    return transfers
+
+
+def _bucket_starts(sizes: list, bucket_bytes: int) -> list[int]:
+    """Where `_pack` starts each bucket after the first, for entries of these byte sizes
+    (a bucket takes entries while they fit; an entry larger than a bucket goes alone)."""
+    ends = np.cumsum(np.asarray(sizes, dtype=np.int64))
+    n = len(ends)
+    starts = []
+    pos, before = 0, 0
+    while True:
+        # the first entry that would overflow a bucket opened at `pos`
+        nxt = int(np.searchsorted(ends, before + bucket_bytes, side="right"))
+        nxt = max(nxt, pos + 1)
+        if nxt >= n:
+            return starts
+        starts.append(nxt)
+        pos, before = nxt, int(ends[nxt - 1])
 
 
 def _pack(entries: list, bucket_bytes: int, size_at: int = 1) -> list[list]:
@@ -517,6 +535,15 @@ def parent_key(forward: "Transfer") -> tuple:
     """Key of the network bucket whose data a forwarded bucket passes on."""
     k = forward.key
     return (k[0] - 1,) + k[2:6] + (0, -1)
+
+
+def _item(tensor: int, box: Box) -> Item:
+    """Item(tensor, box) without the frozen-dataclass __init__ (one per piece of a share)."""
+    it = _new(Item)
+    d = it.__dict__
+    d["tensor"] = tensor
+    d["box"] = box
+    return it
 
 
 def _transfer(isz, key, src, dst, path, entries) -> Transfer:
@@ -559,6 +586,7 @@ def plan(specs: Mapping[str, TensorSpec], src_domains: Optional[Sequence[Any]] =
     # alive during the loop, so the ids are not reused; slot tables (hundreds of Slots) are
     # keyed by identity because hashing them per tensor dominated planning at scale.
     seen: dict = {}
+    checked: set = set()                 # layouts and slot tables found valid (by identity)
     tensor_plans = []
     turns: dict = defaultdict(int)       # src layout -> tensors given a rotation so far
     # Planning allocates only acyclic objects (hundreds of thousands of moves at scale): the
@@ -570,7 +598,7 @@ def plan(specs: Mapping[str, TensorSpec], src_domains: Optional[Sequence[Any]] =
             tp = seen.get(key)
             try:
                 if tp is None:
-                    spec.validate(name)
+                    spec.validate(name, checked)
                     tp = seen[key] = plan_tensor(spec.signature, topo)
                 if tp.rotations > 1:
                     # Small tensors leave some source replicas idle: rotate which ones work

@@ -27,7 +27,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from .plan import Plan, Transfer, build_share, parent_key
+from .plan import Plan, Transfer, build_share, gc_paused, parent_key
 from .planner import NETWORK, Endpoint
 
 SEND, RECV, COPY = "send", "recv", "copy"
@@ -289,6 +289,11 @@ def compile_program(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int
         proc_of = _Procs(n_src)
     if transfers is None:
         transfers = build_share(plan, mine, bucket_bytes)
+    with gc_paused():            # one object per item and slice, all acyclic
+        return _compile(plan, mine, bucket_bytes, proc_of, transfers, per_item_bytes)
+
+
+def _compile(plan, mine, bucket_bytes, proc_of, transfers, per_item_bytes) -> Program:
     held: list = []
     held_index: dict = {}
     info: dict = {}              # (side, rank, tensor) -> (held index, origin, dtype, itemsize)

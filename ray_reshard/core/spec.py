@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import numbers
+from array import array
 from dataclasses import dataclass, field
+from functools import lru_cache
+from itertools import repeat
 from typing import Mapping, Optional, Sequence
 
 import torch
@@ -33,17 +36,196 @@ class Slot:
         return t
 
 
-def _freeze_slots(slots: Optional[Mapping[int, Slot]]) -> Optional[tuple[tuple[int, Slot], ...]]:
-    if slots is None:
-        return None
-    if isinstance(slots, tuple):
-        return slots
+class Slots:
+    """The frozen rank -> Slot table of a TensorSpec (`src_slots` / `dst_slots`).
+
+    Iterates as the (rank, Slot) pairs, sorted by rank, that it stands for, and compares equal
+    to the tuple of those pairs. A table whose ranks all use one Slot keeps that Slot once:
+    model recipes place most tensors alike on hundreds of ranks, and a tuple of pairs per
+    tensor dominated building, hashing and shipping their spec sets. Tables shipped as columns
+    (see `pack_slot_tables`) build their Slot on first use.
+    """
+
+    __slots__ = ("_ranks", "_slot", "_slots", "_hash", "_at", "_columns", "_row")
+
+    def __init__(self, ranks: Sequence[int], slot: Optional[Slot] = None,
+                 slots: Optional[Sequence[Slot]] = None):
+        """Ranks in increasing order, and either one `slot` for all or one per rank."""
+        self._ranks = ranks if type(ranks) is tuple else tuple(ranks)
+        self._slot = slot
+        self._slots = None if slots is None else tuple(slots)
+        self._hash = self._at = self._columns = None
+
+    @classmethod
+    def same(cls, ranks: Sequence[int], slot: Slot) -> "Slots":
+        """Every rank of `ranks` (increasing) keeps its shard in `slot`."""
+        return cls(ranks, slot)
+
+    @classmethod
+    def from_pairs(cls, pairs) -> "Slots":
+        """From (rank, Slot) pairs (any order; ranks distinct) or a mapping rank -> Slot."""
+        items = pairs.items() if isinstance(pairs, Mapping) else pairs
+        out = []
+        for r, s in items:
+            if not isinstance(s, Slot):
+                raise TypeError(f"slot for rank {r} must be a Slot, got {type(s).__name__}")
+            if isinstance(r, bool) or not isinstance(r, numbers.Integral):
+                raise TypeError(f"slot ranks must be ints, got {r!r}")
+            out.append((int(r), s))
+        out.sort(key=lambda rs: rs[0])
+        ranks = tuple([r for r, _ in out])
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"slot table names a rank twice: {list(ranks)}")
+        slots = [s for _, s in out]
+        if slots and all(s is slots[0] or s == slots[0] for s in slots):
+            return cls(ranks, slots[0])
+        return cls(ranks, None, slots)
+
+    def _load(self) -> None:
+        columns, i = self._columns, self._row
+        self._columns = None
+        self._ranks = columns[0][columns[3][i]]
+        self._slot = _slot_from_columns(columns, i)
+        self._slots = None
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        if self._columns is not None:
+            self._load()
+        return self._ranks
+
+    @property
+    def uniform(self) -> Optional[Slot]:
+        """The one Slot every rank uses, or None when they differ (or there are no ranks)."""
+        if self._columns is not None:
+            self._load()
+        return self._slot
+
+    def get(self, rank: int, default=None):
+        """The Slot of `rank`, or `default`."""
+        if self._columns is not None:
+            self._load()
+        at = self._at
+        if at is None:
+            at = self._at = _rank_positions(self._ranks)
+        i = at.get(rank)
+        if i is None:
+            return default
+        return self._slot if self._slots is None else self._slots[i]
+
+    def items(self):
+        return iter(self)
+
+    def __iter__(self):
+        if self._columns is not None:
+            self._load()
+        if self._slots is None:
+            return zip(self._ranks, repeat(self._slot, len(self._ranks)))
+        return zip(self._ranks, self._slots)
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self)[i]
+        return (self.ranks[i], self._slot if self._slots is None else self._slots[i])
+
+    def __eq__(self, other):
+        if self is other:
+            return True
+        if isinstance(other, Slots):
+            return (self.ranks == other.ranks and self._slot == other.uniform
+                    and self._slots == other._slots)
+        if isinstance(other, tuple):
+            return tuple(self) == other
+        return NotImplemented
+
+    def __hash__(self):
+        # The rank count and end ranks, not every rank: equal tables still hash alike, and
+        # hashing hundreds of ranks per table dominated looking up a spec set.
+        h = self._hash
+        if h is None:
+            r = self.ranks
+            h = self._hash = hash((len(r), r[:1], r[-1:], self._slot, self._slots))
+        return h
+
+    def __reduce__(self):
+        return (Slots, (self.ranks, self._slot, self._slots))
+
+    def __repr__(self) -> str:
+        if self.uniform is not None:
+            return f"Slots(ranks {list(self._ranks)}: {self._slot})"
+        return f"Slots({dict(self)})"
+
+
+@lru_cache(maxsize=1 << 10)
+def _rank_positions(ranks: tuple) -> dict:
+    return {r: i for i, r in enumerate(ranks)}
+
+
+_new = object.__new__
+
+
+def _slot_from_columns(columns, i: int) -> Slot:
+    _, storages, indices, _, st, ix, dm, off, _ = columns
+    slot = _new(Slot)
+    d = dm[i]
+    slot.__dict__.update(storage=storages[st[i]], index=indices[ix[i]],
+                         dim=None if d < 0 else d, offset=off[i])
+    return slot
+
+
+def pack_slot_tables(tables: Sequence[Optional[Slots]]) -> tuple:
+    """Slot tables as columns, for shipping many of them: distinct rank tuples, storage names
+    and index tuples once, per table their positions and each uniform Slot's dim and offset;
+    tables without one uniform Slot are kept whole."""
+    ranks_at: dict = {}
+    names_at: dict = {}
+    index_at: dict = {}
+    rk, st, ix, dm, off = array("i"), array("i"), array("i"), array("i"), array("q")
+    whole: dict = {}
+    for i, t in enumerate(tables):
+        slot = None if t is None else t.uniform
+        if slot is None:
+            if t is not None:
+                whole[i] = t
+            rk.append(-1), st.append(0), ix.append(0), dm.append(-1), off.append(0)
+            continue
+        ranks = t.ranks
+        r = ranks_at.get(id(ranks))
+        if r is None:
+            r = ranks_at[id(ranks)] = (len(ranks_at), ranks)
+        rk.append(r[0])
+        st.append(names_at.setdefault(slot.storage, len(names_at)))
+        ix.append(index_at.setdefault(slot.index, len(index_at)))
+        dm.append(-1 if slot.dim is None else slot.dim)
+        off.append(slot.offset)
+    return ([r for _, r in ranks_at.values()], list(names_at), list(index_at), rk, st, ix, dm,
+            off, whole)
+
+
+def unpack_slot_tables(columns) -> list[Optional[Slots]]:
+    """The tables of `pack_slot_tables` (each uniform one builds its Slot on first use)."""
+    rk, whole = columns[3], columns[8]
     out = []
-    for r, s in sorted(dict(slots).items()):
-        if not isinstance(s, Slot):
-            raise TypeError(f"slot for rank {r} must be a Slot, got {type(s).__name__}")
-        out.append((int(r), s))
-    return tuple(out)
+    append = out.append
+    for i, r in enumerate(rk):
+        if r < 0:
+            append(whole.get(i))
+            continue
+        t = _new(Slots)
+        t._columns = columns
+        t._row = i
+        t._hash = t._at = None
+        append(t)
+    return out
+
+
+def _freeze_slots(slots) -> Optional[Slots]:
+    if slots is None or isinstance(slots, Slots):
+        return slots
+    return Slots.from_pairs(slots)
 
 
 @dataclass(frozen=True)
@@ -53,7 +235,8 @@ class TensorSpec:
     `src_dtype` is the dtype the sources hold (default: `dtype`); senders convert, so only
     destination-dtype bytes move. `src_slots` / `dst_slots` map a rank to a `Slot` when the rank
     stores its shard inside a larger (fused or stacked) local tensor; without them a rank's
-    local tensor is the one named like the logical tensor.
+    local tensor is the one named like the logical tensor (a mapping rank -> Slot, or (rank,
+    Slot) pairs, is kept as `Slots`).
     """
 
     shape: tuple[int, ...]
@@ -61,8 +244,8 @@ class TensorSpec:
     src: Layout
     dst: Layout
     src_dtype: Optional[torch.dtype] = None
-    src_slots: Optional[tuple[tuple[int, Slot], ...]] = field(default=None)
-    dst_slots: Optional[tuple[tuple[int, Slot], ...]] = field(default=None)
+    src_slots: Optional[Slots] = field(default=None)
+    dst_slots: Optional[Slots] = field(default=None)
 
     def __post_init__(self):
         shape = self.shape
@@ -70,10 +253,12 @@ class TensorSpec:
             shape = tuple(shape)
         if not isinstance(shape, (tuple, list)):
             raise TypeError(f"shape must be a tuple of ints, got {shape!r}")
-        for s in shape:
-            if isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 0:
-                raise ValueError(f"shape {tuple(shape)} must hold non-negative ints, got {s!r}")
-        object.__setattr__(self, "shape", tuple(int(s) for s in shape))
+        if type(shape) is not tuple or not all([type(s) is int and s >= 0 for s in shape]):
+            for s in shape:
+                if isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 0:
+                    raise ValueError(f"shape {tuple(shape)} must hold non-negative ints, "
+                                     f"got {s!r}")
+            object.__setattr__(self, "shape", tuple(int(s) for s in shape))
         if not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {self.dtype!r}")
         if self.src_dtype is not None and not isinstance(self.src_dtype, torch.dtype):
@@ -89,6 +274,10 @@ class TensorSpec:
                 raise TypeError(f"{side} must be a Layout, got {type(getattr(self, side)).__name__}")
         object.__setattr__(self, "src_slots", _freeze_slots(self.src_slots))
         object.__setattr__(self, "dst_slots", _freeze_slots(self.dst_slots))
+        try:
+            hash(self)    # cached now: computing it later, at a refit, allocates per spec
+        except TypeError:
+            pass          # an unhashable field (e.g. a list as Slot index): fails when hashed
 
     @property
     def source_dtype(self) -> torch.dtype:
@@ -120,19 +309,49 @@ class TensorSpec:
     def slot(self, side: str, rank: int, name: str) -> Slot:
         slots = self.src_slots if side == "src" else self.dst_slots
         if slots:
-            for r, s in slots:
-                if r == rank:
-                    return s
+            s = slots.get(rank)
+            if s is not None:
+                return s
         return Slot(name)
 
-    def validate(self, name: str) -> None:
-        """Raise a ValueError naming `name` when the layouts cannot hold this tensor."""
+    def __hash__(self):
+        # Cached: spec sets are looked up whole (the plan cache) at every refit.
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.shape, self.dtype, self.src, self.dst, self.src_dtype, self.src_slots,
+                      self.dst_slots))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self):
+        # String hashes differ between processes: never ship a cached hash.
+        state = dict(self.__dict__)
+        state.pop("_hash", None)
+        return state
+
+    def validate(self, name: str, checked: Optional[set] = None) -> None:
+        """Raise a ValueError naming `name` when the layouts cannot hold this tensor.
+
+        `checked` (optional, owned by the caller) remembers by identity the (shape, layouts,
+        slot rank tables) found valid, so specs sharing them are checked once; it is valid
+        only while the specs it saw are alive.
+        """
+        if checked is not None:
+            ss, ds = self.src_slots, self.dst_slots
+            key = (self.shape, id(self.src), id(self.dst), None if ss is None else id(ss.ranks),
+                   None if ds is None else id(ds.ranks))
+            if key in checked:
+                return
+            self.validate(name)
+            checked.add(key)
+            return
         for side in ("src", "dst"):
-            self.layout(side).validate_for(self.shape, f"{name!r} ({side} layout)")
+            lay = self.layout(side)
+            lay.validate_for(self.shape, f"{name!r} ({side} layout)")
             slots = self.src_slots if side == "src" else self.dst_slots
             if slots:
-                mesh_ranks = set(self.layout(side).mesh.ranks)
-                for r, _ in slots:
+                mesh_ranks = lay.mesh.rank_set
+                for r in slots.ranks:
                     if r not in mesh_ranks:
                         raise ValueError(f"{name!r}: {side}_slots names rank {r}, which is not in "
                                          f"the {side} mesh {sorted(mesh_ranks)}")

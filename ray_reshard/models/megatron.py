@@ -410,7 +410,7 @@ class MegatronSide(EngineSide):
             lay = self._layout(grid, (Replicate(), Shard(0), Shard(2 if k == "e_down" else 1)))
             return self._same(lay, Slot(store) if k == "e_down" else Slot(store, dim=1, offset=off))
         p, i = divmod(pc.expert, self.experts_local)
-        lay = self._layout(grid[:, p, :], (Replicate(), Shard(1 if k == "e_down" else 0)))
+        lay = self._shard(grid[:, p, :], 1 if k == "e_down" else 0)
         if par.experts == "stacked":
             store, index = self.store_name((fc, None), pc.layer), (i,)
         else:

@@ -14,7 +14,6 @@ allocates (`storages`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import repeat
 from typing import Hashable, Optional, Sequence
 
 import numpy as np
@@ -22,7 +21,7 @@ import numpy as np
 from ..core.layout import Layout
 from ..core.mesh import Mesh
 from ..core.placement import Replicate, Shard
-from ..core.spec import Slot
+from ..core.spec import Slot, Slots
 from .config import ModelDims
 from .pieces import Piece
 
@@ -58,20 +57,6 @@ def check_counts(given: Sequence[int], n: int, total: int, what: str) -> tuple[i
     return given
 
 
-class SlotTable(tuple):
-    """((rank, Slot), ...) sorted by rank, the frozen form TensorSpec keeps, with dict-like
-    lookup by rank."""
-
-    def get(self, rank: int, default=None):
-        d = self.__dict__.get("_d")
-        if d is None:
-            d = self.__dict__["_d"] = dict(self)
-        return d.get(rank, default)
-
-    def items(self):
-        return iter(self)
-
-
 class EngineSide:
     """Placement and layout caching common to the engines; subclasses describe their stores."""
 
@@ -81,8 +66,9 @@ class EngineSide:
 
     def __init__(self, dims: ModelDims):
         self.d = dims
-        self._cache: dict[str, tuple[Layout, SlotTable]] = {}
+        self._cache: dict[str, tuple[Layout, Slots]] = {}
         self._layouts: dict[tuple, Layout] = {}
+        self._by_grid: dict[tuple, Layout] = {}           # _rep/_shard: (kind, grid) -> layout
         self._grids: dict[Hashable, np.ndarray] = {}
         self._sorted: dict[int, tuple[int, ...]] = {}     # id(layout) -> sorted ranks
         self._names: dict[Optional[int], dict] = {}
@@ -135,7 +121,7 @@ class EngineSide:
         out.update(self.global_stores(rank).values())
         return out
 
-    def place(self, pc: Piece) -> tuple[Layout, SlotTable]:
+    def place(self, pc: Piece) -> tuple[Layout, Slots]:
         """The piece's layout on this side and the Slot of every rank holding part of it."""
         got = self._cache.get(pc.name)
         if got is None:
@@ -156,22 +142,32 @@ class EngineSide:
 
     def _rep(self, grid: np.ndarray) -> Layout:
         """Every rank of the grid holds the whole piece."""
-        return self._layout(np.asarray(grid).reshape(-1), (Replicate(),))
+        grid = np.asarray(grid)
+        key = (grid.size, grid.tobytes())       # placements made only on a miss
+        lay = self._by_grid.get(key)
+        if lay is None:
+            lay = self._by_grid[key] = self._layout(grid.reshape(-1), (Replicate(),))
+        return lay
 
     def _shard(self, grid: np.ndarray, dim: int, block: Optional[int] = None) -> Layout:
         """grid [replicas, n]: replicate over rows, shard tensor dim `dim` over columns."""
-        return self._layout(grid, (Replicate(), Shard(dim, block)))
+        grid = np.asarray(grid)
+        key = (dim, block, grid.shape, grid.tobytes())
+        lay = self._by_grid.get(key)
+        if lay is None:
+            lay = self._by_grid[key] = self._layout(grid, (Replicate(), Shard(dim, block)))
+        return lay
 
-    def _same(self, layout: Layout, slot: Slot) -> tuple[Layout, SlotTable]:
+    def _same(self, layout: Layout, slot: Slot) -> tuple[Layout, Slots]:
         """Every rank of the layout keeps the piece in the same slot."""
         ranks = self._sorted.get(id(layout))
         if ranks is None:
             ranks = self._sorted[id(layout)] = tuple(sorted(layout.mesh.ranks))
-        return layout, SlotTable(zip(ranks, repeat(slot)))
+        return layout, Slots.same(ranks, slot)
 
     @staticmethod
-    def _table(slots: dict) -> SlotTable:
-        return SlotTable(sorted(slots.items()))
+    def _table(slots: dict) -> Slots:
+        return Slots.from_pairs(slots)
 
 
 def make_side(dims: ModelDims, parallel) -> EngineSide:
