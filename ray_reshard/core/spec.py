@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
@@ -53,7 +53,9 @@ class TensorSpec:
     `src_dtype` is the dtype the sources hold (default: `dtype`); senders convert, so only
     destination-dtype bytes move. `src_slots` / `dst_slots` map a rank to a `Slot` when the rank
     stores its shard inside a larger (fused or stacked) local tensor; without them a rank's
-    local tensor is the one named like the logical tensor.
+    local tensor is the one named like the logical tensor. `quant` (a `BlockFP8`, with
+    `dtype=torch.float8_e4m3fn`) asks for block FP8 on the destination, quantised by the
+    senders, with float32 scales beside the weights (see `ray_reshard.core.quant`).
     """
 
     shape: tuple[int, ...]
@@ -63,6 +65,7 @@ class TensorSpec:
     src_dtype: Optional[torch.dtype] = None
     src_slots: Optional[tuple[tuple[int, Slot], ...]] = field(default=None)
     dst_slots: Optional[tuple[tuple[int, Slot], ...]] = field(default=None)
+    quant: Optional[Any] = None
 
     def __post_init__(self):
         shape = self.shape
@@ -89,6 +92,8 @@ class TensorSpec:
                 raise TypeError(f"{side} must be a Layout, got {type(getattr(self, side)).__name__}")
         object.__setattr__(self, "src_slots", _freeze_slots(self.src_slots))
         object.__setattr__(self, "dst_slots", _freeze_slots(self.dst_slots))
+        if self.quant is not None:
+            _quant().check_spec(self)
 
     @property
     def source_dtype(self) -> torch.dtype:
@@ -96,6 +101,9 @@ class TensorSpec:
 
     @property
     def itemsize(self) -> int:
+        """Bytes per planned element (quantised specs: see quant.wire_itemsize)."""
+        if self.quant is not None:
+            return _quant().wire_itemsize(self)
         return _itemsize(self.dtype)
 
     @property
@@ -107,11 +115,15 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
+        if self.quant is not None:
+            return _quant().wire_nbytes(self)
         return self.numel * self.itemsize
 
     @property
     def signature(self) -> tuple:
         """What the plan's shape depends on: tensors with equal signatures share one plan."""
+        if self.quant is not None:
+            return _quant().signature(self)
         return (self.shape, self.itemsize, self.src, self.dst)
 
     def layout(self, side: str) -> Layout:
@@ -136,6 +148,13 @@ class TensorSpec:
                     if r not in mesh_ranks:
                         raise ValueError(f"{name!r}: {side}_slots names rank {r}, which is not in "
                                          f"the {side} mesh {sorted(mesh_ranks)}")
+        if self.quant is not None:
+            _quant().validate(self, name)
+
+
+def _quant():
+    from . import quant
+    return quant
 
 
 _ITEMSIZE: dict = {}
