@@ -198,7 +198,8 @@ class Plan:
         ranks_seen: dict = {}
         state["spec_columns"] = [
             (sp.shape, sp.dtype, sp.src, sp.dst, sp.src_dtype,
-             _pack_slots(sp.src_slots, ranks_seen), _pack_slots(sp.dst_slots, ranks_seen))
+             _pack_slots(sp.src_slots, ranks_seen), _pack_slots(sp.dst_slots, ranks_seen),
+             sp.quant)
             for sp in self.specs]
         return state
 
@@ -251,11 +252,12 @@ def _unpack_slots(packed, only):
 _new = object.__new__
 
 
-def _spec(shape, dtype, src, dst, src_dtype, src_slots, dst_slots, only) -> TensorSpec:
+def _spec(shape, dtype, src, dst, src_dtype, src_slots, dst_slots, quant, only) -> TensorSpec:
     """A TensorSpec from validated fields (no re-validation: it was checked when planned), with
     the slots of the ranks `only[side]` (None: all)."""
     sp = _new(TensorSpec)
     sp.__dict__.update(shape=shape, dtype=dtype, src=src, dst=dst, src_dtype=src_dtype,
+                       quant=quant,
                        src_slots=_unpack_slots(src_slots, None if only is None else only["src"]),
                        dst_slots=_unpack_slots(dst_slots, None if only is None else only["dst"]))
     return sp
@@ -566,7 +568,7 @@ def plan(specs: Mapping[str, TensorSpec], src_domains: Optional[Sequence[Any]] =
     with gc_paused():
         for name, spec in specs.items():
             key = (spec.shape, spec.dtype, id(spec.src), id(spec.dst), id(spec.src_slots),
-                   id(spec.dst_slots))
+                   id(spec.dst_slots), spec.quant and (spec.quant, spec.source_dtype))
             tp = seen.get(key)
             try:
                 if tp is None:
