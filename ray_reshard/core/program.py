@@ -19,6 +19,11 @@ and rebuilt only for the parts whose shards changed (a trainer that rebinds `par
 seen at the next refit). Adjacent contiguous regions of one storage are merged into one copy.
 Packing and unpacking copy all regions of a part with one `torch._foreach_copy_` call per
 dtype run, against wire views that are cached per staging buffer.
+
+Items of a block-FP8 tensor (see `quant`) are blocks, not elements: the sender quantises its
+source region into the item's wire bytes (scales, then FP8 elements), a destination copies
+both out into its FP8 shard and its scales (a forwarder copies them back in); they never
+travel as messages of their own region and take no part in merged runs.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
+from . import quant as _quant
 from .plan import Plan, Transfer, build_share, parent_key
 from .planner import NETWORK, Endpoint
 
@@ -56,9 +62,10 @@ class Part:
     """The items of one transfer on one side, resolved against this process's shards."""
 
     __slots__ = ("held", "slices", "shapes", "numels", "wire", "offsets", "nbytes", "item_bytes",
-                 "_regions", "_runs", "_wires", "_msgs")
+                 "quant", "_regions", "_runs", "_wires", "_msgs", "_scales")
 
-    def __init__(self, held, slices, shapes, numels, wire, offsets, item_bytes, nbytes):
+    def __init__(self, held, slices, shapes, numels, wire, offsets, item_bytes, nbytes,
+                 quant=None):
         self.held = held              # per item: index into Program.held
         self.slices = slices          # per item: slices of the item inside its shard
         self.shapes = shapes          # per item: the item's shape
@@ -67,6 +74,8 @@ class Part:
         self.offsets = offsets        # per item: byte offset in the bucket
         self.item_bytes = item_bytes
         self.nbytes = nbytes
+        self.quant = quant            # None, or per item: a quant.QuantItem or None
+        self._scales = None           # per quantised item holding scales: their region (bound)
         self._regions = None          # per item: region view in the local shard (bound)
         self._runs = None             # merged copy runs (see _bind)
         self._wires: dict = {}        # staging buffer data pointer -> wire views of the runs
@@ -77,15 +86,28 @@ class Part:
 
     # ------------------------------------------------------------------ binding
     def unbind(self) -> None:
-        self._regions = self._runs = self._msgs = None
+        self._regions = self._runs = self._msgs = self._scales = None
         self._wires = {}
+
+    def holds(self) -> set:
+        """Held indices this part reads or writes (a quantised item's scales too)."""
+        got = set(self.held)
+        if self.quant:
+            got.update(qi.scale_held for qi in self.quant if qi is not None and qi.scale_held >= 0)
+        return got
 
     def bind(self, views: Sequence[torch.Tensor]) -> None:
         """Resolve every item's region in `views` (indexed like Program.held) and merge runs."""
         regions = [views[h][s] for h, s in zip(self.held, self.slices)]
         # A run: (first item, last item + 1, wire dtype, local region of the whole run, flat).
         runs = []
+        quant = self.quant
+        if quant:
+            self._scales = [None if qi is None or qi.scale_held < 0
+                            else views[qi.scale_held][qi.scale_slices] for qi in quant]
         for i, r in enumerate(regions):
+            if quant and quant[i] is not None:
+                continue
             flat = r.is_contiguous()
             if flat and runs:
                 a, b, wd, prev, pflat = runs[-1]
@@ -135,30 +157,58 @@ class Part:
 
     def pack(self, buf: torch.Tensor, cache: bool = True) -> None:
         """Copy the items from the local shards into `buf` (uint8, the bucket's bytes)."""
-        torch._foreach_copy_(self._wire_views(buf, cache), [r[3] for r in self._runs])
+        if self._runs:
+            torch._foreach_copy_(self._wire_views(buf, cache), [r[3] for r in self._runs])
+        if self.quant:
+            for i, qi in enumerate(self.quant):
+                if qi is not None:
+                    self.pack_item(i, buf[self.offsets[i]:self.offsets[i] + self.item_bytes[i]])
 
     def unpack(self, buf: torch.Tensor, cache: bool = True) -> None:
         """Copy a bucket's bytes from `buf` into the local shards."""
-        torch._foreach_copy_([r[3] for r in self._runs], self._wire_views(buf, cache))
+        if self._runs:
+            torch._foreach_copy_([r[3] for r in self._runs], self._wire_views(buf, cache))
+        if self.quant:
+            for i, qi in enumerate(self.quant):
+                if qi is not None:
+                    self.unpack_item(i, buf[self.offsets[i]:self.offsets[i] + self.item_bytes[i]])
 
     def messages(self, sending: bool) -> list:
         """Per item (one message each): the region's own bytes when it is contiguous (and, to
         send, already in the wire dtype), else None: that item goes through a staging buffer."""
         if self._msgs is None:
+            quant = self.quant or [None] * len(self._regions)
             self._msgs = [r.reshape(-1).view(torch.uint8)
-                          if r.is_contiguous() and (not sending or r.dtype == w) else None
-                          for r, w in zip(self._regions, self.wire)]
+                          if qi is None and r.is_contiguous() and (not sending or r.dtype == w)
+                          else None
+                          for r, w, qi in zip(self._regions, self.wire, quant)]
         return self._msgs
 
     def pack_item(self, i: int, buf: torch.Tensor) -> None:
+        if self.quant and self.quant[i] is not None:
+            _quant.pack(self.quant[i], self._regions[i], self._scales[i], buf)
+            return
         buf.view(self.wire[i]).view(self.shapes[i]).copy_(self._regions[i])
 
     def unpack_item(self, i: int, buf: torch.Tensor) -> None:
+        if self.quant and self.quant[i] is not None:
+            _quant.unpack(self.quant[i], self._regions[i], self._scales[i], buf)
+            return
         self._regions[i].copy_(buf.view(self.wire[i]).view(self.shapes[i]))
 
     def copy_from(self, other: "Part") -> None:
         """Local copy: this part's regions take `other`'s (same items, same order)."""
-        torch._foreach_copy_(self._regions, other._regions)
+        if not self.quant:
+            torch._foreach_copy_(self._regions, other._regions)
+            return
+        plain = [i for i, qi in enumerate(self.quant) if qi is None]
+        if plain:
+            torch._foreach_copy_([self._regions[i] for i in plain],
+                                 [other._regions[i] for i in plain])
+        for i, qi in enumerate(self.quant):
+            if qi is not None:
+                _quant.copy(other.quant[i], other._regions[i], other._scales[i],
+                            self._regions[i], self._scales[i])
 
 
 @dataclass
@@ -210,7 +260,7 @@ class Program:
         if self._users is None:
             self._users = [[] for _ in self.held]
             for p in self.parts():
-                for h in set(p.held):
+                for h in p.holds():
                     self._users[h].append(p)
         if self._sigs is None:
             dirty = list(self.parts())
@@ -237,6 +287,7 @@ class Program:
 def _part(plan: Plan, t: Transfer, side: str, rank: int, held_index: dict, held: list,
           info: dict) -> Part:
     hs, sl, shapes, numels, wire, offs, nbs = [], [], [], [], [], [], []
+    quant = None
     off = 0
     for it in t.items:
         ti = it.tensor
@@ -246,10 +297,23 @@ def _part(plan: Plan, t: Transfer, side: str, rank: int, held_index: dict, held:
             spec = plan.specs[ti]
             h = held_index[k] = len(held)
             held.append(k)
-            got = info[k] = (h, spec.layout(side).box(rank, spec.shape).offsets, spec.dtype,
-                             spec.itemsize)
-        h, origin, dtype, size = got
+            ctx = None
+            if spec.quant is not None:
+                ctx = _quant.ItemContext(spec, side, rank, ti)
+                if ctx.scale_key is not None:
+                    held_index[ctx.scale_key] = ctx.scale_held = len(held)
+                    held.append(ctx.scale_key)
+            got = info[k] = (h, spec.layout(side).box(rank, spec.shape).offsets,
+                             spec.dtype if ctx is None else ctx.wire_dtype, spec.itemsize, ctx)
+        h, origin, dtype, size, ctx = got
         box = it.box
+        if ctx is not None:
+            if quant is None:
+                quant = [None] * len(hs)
+            qi, box = ctx.item(box)
+            quant.append(qi)
+        elif quant is not None:
+            quant.append(None)
         sizes = box.sizes
         hs.append(h)
         sl.append(tuple([slice(a - o, a - o + n) for a, o, n in zip(box.offsets, origin, sizes)]))
@@ -260,10 +324,11 @@ def _part(plan: Plan, t: Transfer, side: str, rank: int, held_index: dict, held:
         numels.append(n)
         wire.append(dtype)
         offs.append(off)
-        nb = n * size
+        nb = n * size if ctx is None else it.box.numel * size
         nbs.append(nb)
         off += nb
-    return Part(hs, sl, shapes, numels, wire, offs, nbs, off)
+    return Part(hs, sl, shapes, numels, wire, offs, nbs, off,
+                None if quant is None or all(q is None for q in quant) else quant)
 
 
 def compile_program(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int,
