@@ -16,7 +16,7 @@ from .core.pack import shard_view
 from .core.plan import DEFAULT_BUCKET_BYTES, Plan
 from .core.planner import Endpoint
 from .core.program import COPY, SEND, compile_program
-from .core.quant import scale_view
+from .core.quant import WIDE, scale_view
 
 
 def simulate_refit(plan: Plan, src_storage: Sequence[Mapping[str, torch.Tensor]],
@@ -30,7 +30,8 @@ def simulate_refit(plan: Plan, src_storage: Sequence[Mapping[str, torch.Tensor]]
     programs = []
     for ep in eps:
         prog = compile_program(plan, [ep], bucket_bytes)
-        views = {k: _view(plan, k, storages[k[0]][k[1]]) for k in prog.held}
+        views = {k: _view(plan, k, storages[k[0]][k[1]]) for k in prog.held
+                 if len(k) == 3 or k[3] != WIDE}
         prog.bind(views)
         programs.append(prog)
     moved = {"network": 0, "domain": 0, "local": 0}

@@ -93,7 +93,7 @@ class Part:
         """Held indices this part reads or writes (a quantised item's scales too)."""
         got = set(self.held)
         if self.quant:
-            got.update(qi.scale_held for qi in self.quant if qi is not None and qi.scale_held >= 0)
+            got.update(qi.scale_held for qi in self.quant if _blocks(qi) and qi.scale_held >= 0)
         return got
 
     def bind(self, views: Sequence[torch.Tensor]) -> None:
@@ -103,10 +103,10 @@ class Part:
         runs = []
         quant = self.quant
         if quant:
-            self._scales = [None if qi is None or qi.scale_held < 0
-                            else views[qi.scale_held][qi.scale_slices] for qi in quant]
+            self._scales = [views[qi.scale_held][qi.scale_slices]
+                            if _blocks(qi) and qi.scale_held >= 0 else None for qi in quant]
         for i, r in enumerate(regions):
-            if quant and quant[i] is not None:
+            if quant and _blocks(quant[i]):
                 continue
             flat = r.is_contiguous()
             if flat and runs:
@@ -161,7 +161,7 @@ class Part:
             torch._foreach_copy_(self._wire_views(buf, cache), [r[3] for r in self._runs])
         if self.quant:
             for i, qi in enumerate(self.quant):
-                if qi is not None:
+                if _blocks(qi):
                     self.pack_item(i, buf[self.offsets[i]:self.offsets[i] + self.item_bytes[i]])
 
     def unpack(self, buf: torch.Tensor, cache: bool = True) -> None:
@@ -170,8 +170,10 @@ class Part:
             torch._foreach_copy_([r[3] for r in self._runs], self._wire_views(buf, cache))
         if self.quant:
             for i, qi in enumerate(self.quant):
-                if qi is not None:
+                if _blocks(qi):
                     self.unpack_item(i, buf[self.offsets[i]:self.offsets[i] + self.item_bytes[i]])
+                elif qi is not None:
+                    qi.finisher.add(self.numels[i])
 
     def messages(self, sending: bool) -> list:
         """Per item (one message each): the region's own bytes when it is contiguous (and, to
@@ -179,36 +181,47 @@ class Part:
         if self._msgs is None:
             quant = self.quant or [None] * len(self._regions)
             self._msgs = [r.reshape(-1).view(torch.uint8)
-                          if qi is None and r.is_contiguous() and (not sending or r.dtype == w)
+                          if (qi is None or (sending and not _blocks(qi)))
+                          and r.is_contiguous() and (not sending or r.dtype == w)
                           else None
                           for r, w, qi in zip(self._regions, self.wire, quant)]
         return self._msgs
 
     def pack_item(self, i: int, buf: torch.Tensor) -> None:
-        if self.quant and self.quant[i] is not None:
+        if self.quant and _blocks(self.quant[i]):
             _quant.pack(self.quant[i], self._regions[i], self._scales[i], buf)
             return
         buf.view(self.wire[i]).view(self.shapes[i]).copy_(self._regions[i])
 
     def unpack_item(self, i: int, buf: torch.Tensor) -> None:
-        if self.quant and self.quant[i] is not None:
-            _quant.unpack(self.quant[i], self._regions[i], self._scales[i], buf)
+        qi = self.quant[i] if self.quant else None
+        if _blocks(qi):
+            _quant.unpack(qi, self._regions[i], self._scales[i], buf)
             return
         self._regions[i].copy_(buf.view(self.wire[i]).view(self.shapes[i]))
+        if qi is not None:
+            qi.finisher.add(self.numels[i])
 
     def copy_from(self, other: "Part") -> None:
         """Local copy: this part's regions take `other`'s (same items, same order)."""
         if not self.quant:
             torch._foreach_copy_(self._regions, other._regions)
             return
-        plain = [i for i, qi in enumerate(self.quant) if qi is None]
+        plain = [i for i, qi in enumerate(self.quant) if not _blocks(qi)]
         if plain:
             torch._foreach_copy_([self._regions[i] for i in plain],
                                  [other._regions[i] for i in plain])
         for i, qi in enumerate(self.quant):
-            if qi is not None:
+            if _blocks(qi):
                 _quant.copy(other.quant[i], other._regions[i], other._scales[i],
                             self._regions[i], self._scales[i])
+            elif qi is not None:
+                qi.finisher.add(self.numels[i])
+
+
+def _blocks(qi) -> bool:
+    """An item of whole FP8 blocks (quantised by its sender), not plain or widened elements."""
+    return type(qi) is _quant.QuantItem
 
 
 @dataclass
@@ -237,6 +250,7 @@ class Program:
     staging: Any = None           # the executor's staging buffers (kept across refits)
     _sigs: Optional[list] = None
     _users: Optional[list] = None  # per held index: the parts reading or writing that shard
+    finishers: list = field(default_factory=list)   # see quant.Finisher
 
     @property
     def n_items(self) -> int:
@@ -253,7 +267,10 @@ class Program:
         """Bind every part to the shard views `lookup[(side, rank, tensor)]`; only the parts
         whose shards changed storage, shape, strides or dtype since the last bind are rebuilt.
         Returns how many parts were (re)built."""
-        views = [lookup[k] for k in self.held]
+        views = [lookup[k] for k in self.held] if not self.finishers else \
+            [lookup.get(k) for k in self.held]
+        for f in self.finishers:
+            f.bind(views)
         # Shapes, dtypes and devices are validated before every refit: where the view starts
         # and how it is laid out tell whether the regions cut from it still hold.
         sigs = [(v.data_ptr(), v.stride()) for v in views]
@@ -285,7 +302,7 @@ class Program:
 
 
 def _part(plan: Plan, t: Transfer, side: str, rank: int, held_index: dict, held: list,
-          info: dict) -> Part:
+          info: dict, finishers: list) -> Part:
     hs, sl, shapes, numels, wire, offs, nbs = [], [], [], [], [], [], []
     quant = None
     off = 0
@@ -303,6 +320,14 @@ def _part(plan: Plan, t: Transfer, side: str, rank: int, held_index: dict, held:
                 if ctx.scale_key is not None:
                     held_index[ctx.scale_key] = ctx.scale_held = len(held)
                     held.append(ctx.scale_key)
+                f = ctx.finisher
+                if f is not None:         # items land in its buffer: a held key of its own
+                    f.held[0] = h
+                    for j in (1, 2):
+                        f.held[j] = held_index[f.keys[j]] = len(held)
+                        held.append(f.keys[j])
+                    h = f.held[2]
+                    finishers.append(f)
             got = info[k] = (h, spec.layout(side).box(rank, spec.shape).offsets,
                              spec.dtype if ctx is None else ctx.wire_dtype, spec.itemsize, ctx)
         h, origin, dtype, size, ctx = got
@@ -350,15 +375,18 @@ def compile_program(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int
         transfers = build_share(plan, mine, bucket_bytes)
     held: list = []
     held_index: dict = {}
-    info: dict = {}              # (side, rank, tensor) -> (held index, origin, dtype, itemsize)
+    info: dict = {}              # (side, rank, tensor) -> (held index, origin, dtype, itemsize, ..)
+    finishers: list = []         # block-FP8 shards quantised here once received (quant.Finisher)
     steps = []
     ring: dict = {}
     for t in transfers:
         dst_ep = Endpoint("dst", t.dst)
         here_send, here_recv = t.src in mine, dst_ep in mine
         after = parent_key(t) if (here_send and t.src.side == "dst") else None
-        send = _part(plan, t, t.src.side, t.src.rank, held_index, held, info) if here_send else None
-        recv = _part(plan, t, "dst", t.dst, held_index, held, info) if here_recv else None
+        send = (_part(plan, t, t.src.side, t.src.rank, held_index, held, info, finishers)
+                if here_send else None)
+        recv = (_part(plan, t, "dst", t.dst, held_index, held, info, finishers)
+                if here_recv else None)
         if here_send and here_recv:
             kind, peer = COPY, -1
         elif here_send:
@@ -371,7 +399,7 @@ def compile_program(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int
         whole = (per_item_bytes is not None and t.path == NETWORK
                  and min(part.item_bytes) >= per_item_bytes)
         steps.append(Step(kind, t.key, t.path, peer, t.nbytes, whole, after, send, recv))
-    return Program(held, steps, bucket_bytes, ring)
+    return Program(held, steps, bucket_bytes, ring, finishers=finishers)
 
 
 class _Procs:

@@ -280,9 +280,10 @@ def quantize(x: torch.Tensor, block: Sequence[int]) -> tuple[torch.Tensor, torch
 
 
 # ---------------------------------------------------------------------------- destination views
-def scale_view(spec, name: str, rank: int, storage) -> tuple[Optional[torch.Tensor], str]:
+def scale_view(spec, name: str, rank: int, storage, device_type: Optional[str] = None
+               ) -> tuple[Optional[torch.Tensor], str]:
     """(view of destination rank `rank`'s scales of a quantised spec in `storage`, "") or
-    (None, the problem)."""
+    (None, the problem). `device_type`: where they must be."""
     q = spec.quant
     box = spec.dst.box(rank, spec.shape)
     block = q.full_block(len(spec.shape))
@@ -297,6 +298,9 @@ def scale_view(spec, name: str, rank: int, storage) -> tuple[Optional[torch.Tens
     if base.dtype != torch.float32:
         return None, f"local {slot.storage!r} (its scales) has dtype {base.dtype}, expected " \
                      f"torch.float32"
+    if device_type is not None and base.device.type != device_type:
+        return None, f"local {slot.storage!r} (its scales) is on {base.device}, expected " \
+                     f"{device_type}"
     try:
         view = slot.view(base, sbox.sizes)
     except (IndexError, RuntimeError) as e:
@@ -337,10 +341,15 @@ class ItemContext:
         self.block_origin = block_box(self.box, self.block, spec.shape).offsets if self.grid \
             else None
 
-    def item(self, box: Box) -> tuple[Optional[QuantItem], Box]:
-        """(the QuantItem, its element box) of an item's box (blocks on the grid)."""
+        # a destination shard of a tensor whose sources cut blocks: see Finisher
+        self.finisher = Finisher(spec, rank, tensor) if not self.grid and side == "dst" \
+            else None
+
+    def item(self, box: Box):
+        """(the QuantItem, Widen or None, its element box) of an item's box (blocks on the
+        grid)."""
         if not self.grid:
-            return None, box
+            return (None if self.finisher is None else Widen(self.finisher)), box
         ebox = element_box(box, self.block, self.spec.shape)
         slices = tuple(slice(a - o, a - o + n)
                        for a, o, n in zip(box.offsets, self.block_origin, box.sizes))
@@ -375,3 +384,50 @@ def copy(src: QuantItem, src_region: torch.Tensor, src_scales: Optional[torch.Te
         src_region, src_scales = quantize(src_region, src.block)
     region.copy_(src_region)
     scales.copy_(src_scales)
+
+
+# ---------------------------------------------------------------------------- fallback
+WIDE = "wide"                 # 4th field of the held key of a fallback shard's float buffer
+
+
+class Finisher:
+    """A destination shard of a tensor whose sources cut blocks: its pieces arrive in the source
+    dtype into a buffer of the shard (kept across refits); once all its elements arrived this
+    refit, the shard is quantised into the FP8 storage and its scales."""
+
+    def __init__(self, spec, rank: int, tensor: int):
+        self.block = spec.quant.full_block(len(spec.shape))
+        self.dtype = spec.source_dtype
+        self.total = spec.dst.box(rank, spec.shape).numel
+        self.keys = (("dst", rank, tensor), ("dst", rank, tensor, SCALE),
+                     ("dst", rank, tensor, WIDE))
+        self.held = [-1, -1, -1]      # held indices of the keys (set by the compiler)
+        self.buffer = None
+        self.views = None
+        self.received = 0
+
+    def bind(self, views: list) -> None:
+        """Put the buffer at its held index of `views` (indexed like Program.held); start a
+        refit's count."""
+        weights = views[self.held[0]]
+        buf = self.buffer
+        if buf is None or buf.shape != weights.shape or buf.device != weights.device:
+            buf = self.buffer = torch.empty(weights.shape, dtype=self.dtype,
+                                            device=weights.device)
+        views[self.held[2]] = buf
+        self.views = (weights, views[self.held[1]])
+        self.received = 0
+
+    def add(self, n: int) -> None:
+        self.received += n
+        if self.received == self.total:
+            q, s = quantize(self.buffer, self.block)
+            self.views[0].copy_(q)
+            self.views[1].copy_(s)
+
+
+@dataclass(frozen=True)
+class Widen:
+    """Marks an item received into a fallback shard's buffer (see Finisher)."""
+
+    finisher: Finisher
