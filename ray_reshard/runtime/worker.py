@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..core import quant
 from ..core.overlap import overlapping_pairs, overlaps_itself
 from ..core.plan import Plan
 from ..errors import GroupStateLost
@@ -196,6 +197,12 @@ def _views(actor, wg: _WorkerGroup, prog: _Program) -> tuple[dict, list[str]]:
                           f"(elements share memory), so it cannot be written")
             continue
         views[(side, rank, ti)] = view
+        if side == "dst" and spec.quant is not None:       # block FP8: the scales beside it
+            scales, problem = quant.scale_view(spec, name, rank, storage, wg.device.type)
+            if scales is None:
+                errors.append(f"{where}: {problem}")
+                continue
+            views[(side, rank, ti, quant.SCALE)] = scales
     dst_keys = [k for k in views if k[0] == "dst"]
     if len(dst_keys) > 1:
         for i, j in overlapping_pairs([views[k] for k in dst_keys]):
