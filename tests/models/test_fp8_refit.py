@@ -1,6 +1,8 @@
 """Refits into vLLM engines serving block FP8 (`VLLM(quantization="fp8")`): which tensors the
 recipe quantises, and every destination byte compared with the reference quantisation of the
 HF tensor (in the simulator and on a real local Ray cluster, colocated too)."""
+import sys
+
 import pytest
 import ray
 import torch
@@ -14,6 +16,7 @@ from ray_reshard.testing import holders
 from models_testutil import make_model
 
 FP8 = torch.float8_e4m3fn
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def _kinds(cfg, train, infer):
@@ -126,6 +129,22 @@ def test_fp8_refit_simulated(family, over, train, infer):
     _check(cfg, sd, specs, infer, dst)
 
 
+# Ray's serialiser cannot ship float8 tensors (torch's legacy storage path has no float8), so
+# engine storages are made inside the actors and read back as bytes, as an engine keeps its
+# parameters in its own process.
+def _add_engine_storage(actor, cfg, infer, rank):
+    actor.tensors = {**actor.tensors, **empty_storage(cfg, infer, rank, fill=7.0)}
+
+
+def _storage_bytes(actor):
+    return {k: v.view(torch.uint8) if v.dtype == FP8 else v for k, v in actor.tensors.items()}
+
+
+def _read(actors):
+    got = ray.get([a.__ray_call__.remote(_storage_bytes) for a in actors])
+    return [{k: v.view(FP8) if v.dtype == torch.uint8 else v for k, v in d.items()} for d in got]
+
+
 def test_fp8_refit_on_ray_cluster_with_colocated_engines(cluster):
     """Megatron TP4 (cutting some blocks) -> vLLM TP2 x DP2 FP8 on two nodes, then the same
     refit colocated (each trainer actor is also an engine actor)."""
@@ -139,18 +158,21 @@ def test_fp8_refit_on_ray_cluster_with_colocated_engines(cluster):
     dst = holders(2, 0) + holders(2, 1)
     ray.get([a.set.remote(local_state(cfg, train, "src", r, sd, dtype=torch.float32))
              for r, a in enumerate(src)])
-    ray.get([a.set.remote(empty_storage(cfg, infer, r, fill=7.0)) for r, a in enumerate(dst)])
+    ray.get([a.__ray_call__.remote(_add_engine_storage, cfg, infer, r) for r, a in enumerate(dst)])
     with rr.ReshardGroup(src, dst, bucket_bytes=1 << 16) as group:
         result = group.refit(specs)
         assert result.version == 1
-        _check(cfg, sd, specs, infer, ray.get([a.get.remote() for a in dst]))
-        result = group.refit(specs, atomic=True)           # staged copies, scales too
-        _check(cfg, sd, specs, infer, ray.get([a.get.remote() for a in dst]))
+        _check(cfg, sd, specs, infer, _read(dst))
+        ray.get([a.__ray_call__.remote(_add_engine_storage, cfg, infer, r)
+                 for r, a in enumerate(dst)])
+        group.refit(specs, atomic=True)           # staged copies, scales too
+        _check(cfg, sd, specs, infer, _read(dst))
     # colocated: the four actors hold their training shards and an engine's storage
     both = holders(4, 0)
-    ray.get([a.set.remote({**local_state(cfg, train, "src", r, sd, dtype=torch.float32),
-                           **empty_storage(cfg, infer, r, fill=7.0)})
+    ray.get([a.set.remote(local_state(cfg, train, "src", r, sd, dtype=torch.float32))
+             for r, a in enumerate(both)])
+    ray.get([a.__ray_call__.remote(_add_engine_storage, cfg, infer, r)
              for r, a in enumerate(both)])
     with rr.ReshardGroup(both, both) as group:
         group.refit(specs)
-        _check(cfg, sd, specs, infer, ray.get([a.get.remote() for a in both]))
+        _check(cfg, sd, specs, infer, _read(both))
