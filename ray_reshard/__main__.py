@@ -31,6 +31,8 @@ BENCHES = {
     "bench-faults": ("ray_reshard.bench.faults", "seconds from each kind of fault to RefitError"),
     "bench-overlap": ("ray_reshard.bench.overlap",
                       "trainer idle time per step: blocking vs overlapped refits"),
+    "bench-fp8": ("ray_reshard.bench.fp8",
+                  "block-FP8 refits: bytes vs BF16, quantisation throughput, bit-exactness"),
 }
 
 
