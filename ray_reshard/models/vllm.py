@@ -111,7 +111,7 @@ class VLLM:
     version: str = "0.33"
     model: str = "main"
     quantization: Optional[str] = None
-    weight_block_size: tuple = (128, 128)
+    weight_block_size: Sequence[int] = (128, 128)
 
     def __post_init__(self):
         for n in ("tp", "dp", "pp", "ep", "vocab_padding"):
