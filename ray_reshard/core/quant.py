@@ -261,19 +261,21 @@ def quantize(x: torch.Tensor, block: Sequence[int]) -> tuple[torch.Tensor, torch
     nd = len(shape)
     grid = grid_shape(shape, block)
     padded = tuple(g * b for g, b in zip(grid, block))
-    xf = x.to(torch.float32)
     if padded != shape:              # zeros leave every block's amax unchanged
-        buf = torch.zeros(padded, dtype=torch.float32, device=x.device)
-        buf[tuple(slice(0, n) for n in shape)] = xf
-        xf = buf
-    # [g0, b0, g1, b1, ...]: reduce over the block dims
+        buf = torch.zeros(padded, dtype=x.dtype, device=x.device)
+        buf[tuple(slice(0, n) for n in shape)] = x
+        x = buf
+    # [g0, b0, g1, b1, ...]: reduce over the block dims. max |x| = max(max x, -min x), exact in
+    # the source dtype, so no float32 copy of x is made for it.
     split = []
     for g, b in zip(grid, block):
         split += [g, b]
-    xb = xf.reshape(split)
+    xb = x.reshape(split)
     inner = tuple(range(1, 2 * nd, 2))
-    scale = xb.abs().amax(dim=inner, keepdim=True).clamp_(min=AMAX_MIN).div_(FP8_MAX)
-    q = (xb / scale).to(FP8).reshape(padded)
+    amax = torch.maximum(xb.amax(dim=inner, keepdim=True), xb.amin(dim=inner, keepdim=True).neg())
+    scale = amax.to(torch.float32).clamp_(min=AMAX_MIN).div_(FP8_MAX)
+    # x / scale promotes to float32: each x is widened exactly, then divided, as the reference
+    q = torch.div(xb, scale).to(FP8).reshape(padded)
     if padded != shape:
         q = q[tuple(slice(0, n) for n in shape)]
     return q, scale.reshape(grid)
