@@ -32,6 +32,7 @@ as vLLM requires of its FP8 layers (`validate_fp8_block_shape`).
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -253,32 +254,50 @@ def reference_quantize(x: torch.Tensor, block: Sequence[int] = (128, 128)
     return q, scales
 
 
+# Elements quantised per pass: a float32 slab of this size stays in cache (large tensors
+# quantised in one pass ran 3x slower on CPU).
+SLAB = 1 << 20
+
+
 def quantize(x: torch.Tensor, block: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise a region of whole blocks (the last ones may be short at the tensor's edge):
     (FP8 tensor of x's shape, float32 scales of shape grid_shape(x.shape, block)). `block`
-    covers every dim of x. Bit-exact with `reference_quantize`."""
+    covers every dim of x (leading dims: 1). Bit-exact with `reference_quantize`."""
     shape = tuple(x.shape)
-    nd = len(shape)
     grid = grid_shape(shape, block)
-    padded = tuple(g * b for g, b in zip(grid, block))
-    if padded != shape:              # zeros leave every block's amax unchanged
-        buf = torch.zeros(padded, dtype=x.dtype, device=x.device)
-        buf[tuple(slice(0, n) for n in shape)] = x
-        x = buf
-    # [g0, b0, g1, b1, ...]: reduce over the block dims. max |x| = max(max x, -min x), exact in
-    # the source dtype, so no float32 copy of x is made for it.
-    split = []
-    for g, b in zip(grid, block):
-        split += [g, b]
-    xb = x.reshape(split)
-    inner = tuple(range(1, 2 * nd, 2))
-    amax = torch.maximum(xb.amax(dim=inner, keepdim=True), xb.amin(dim=inner, keepdim=True).neg())
-    scale = amax.to(torch.float32).clamp_(min=AMAX_MIN).div_(FP8_MAX)
-    # x / scale promotes to float32: each x is widened exactly, then divided, as the reference
-    q = torch.div(xb, scale).to(FP8).reshape(padded)
-    if padded != shape:
-        q = q[tuple(slice(0, n) for n in shape)]
-    return q, scale.reshape(grid)
+    bn, bk = block[-2:]
+    rows, cols = shape[-2:]
+    step = max(1, SLAB // max(1, bn * cols)) * bn            # whole block rows per slab
+    if len(shape) == 2 and rows <= step:
+        return _quantize2d(x, bn, bk)
+    q = torch.empty(shape, dtype=FP8, device=x.device)
+    scales = torch.empty(grid, dtype=torch.float32, device=x.device)
+    for lead in itertools.product(*(range(n) for n in shape[:-2])):
+        xs, qs, ss = x[lead], q[lead], scales[lead]
+        for r in range(0, rows, step):
+            a, b = _quantize2d(xs[r:r + step], bn, bk)
+            qs[r:r + step] = a
+            ss[r // bn:(r + step) // bn] = b
+    return q, scales
+
+
+def _quantize2d(x: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = x.shape
+    gr, gc = -(-rows // bn), -(-cols // bk)
+    if (gr * bn, gc * bk) == (rows, cols):
+        xf = torch.empty(rows, cols, dtype=torch.float32, device=x.device).copy_(x)
+    else:                            # zeros leave every block's amax unchanged
+        xf = torch.zeros(gr * bn, gc * bk, dtype=torch.float32, device=x.device)
+        xf[:rows, :cols] = x
+    xb = xf.view(gr, bn, gc, bk)
+    # max |x| = max(max x, -min x): no |x| tensor
+    amax = torch.maximum(xb.amax(dim=(1, 3), keepdim=True),
+                         xb.amin(dim=(1, 3), keepdim=True).neg_())
+    scale = amax.clamp_(min=AMAX_MIN).div_(FP8_MAX)
+    q = xb.div_(scale).to(FP8).view(gr * bn, gc * bk)
+    if (gr * bn, gc * bk) != (rows, cols):
+        q = q[:rows, :cols]
+    return q, scale.view(gr, gc)
 
 
 # ---------------------------------------------------------------------------- destination views

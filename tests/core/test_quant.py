@@ -72,6 +72,19 @@ def test_quantize_matches_reference(shape, block, dtype):
     assert float(rs.min()) == pytest.approx(1e-4 / 448.0)      # the zero block's clamped scale
 
 
+def test_quantize_in_slabs_and_of_strided_regions(monkeypatch):
+    from ray_reshard.core import quant
+    monkeypatch.setattr(quant, "SLAB", 3000)            # a few block rows per pass
+    x = _full((4, 100, 72))
+    rq, rs = reference_quantize(x, (16, 8))
+    q, s = quantize(x, (1, 16, 8))
+    assert torch.equal(_bytes(q), _bytes(rq)) and torch.equal(s, rs)
+    y = _full((72, 100), torch.float32).t()             # a transposed (strided) region
+    rq, rs = reference_quantize(y, (16, 8))
+    q, s = quantize(y, (16, 8))
+    assert torch.equal(_bytes(q), _bytes(rq)) and torch.equal(s, rs)
+
+
 def test_tp_to_tp_dp_across_domains_on_the_block_grid():
     full = _full((96, 64))
     src = _lay([0, 1], rr.Shard(0))                                  # 48 rows: 3 blocks each
