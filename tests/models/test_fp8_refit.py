@@ -176,3 +176,21 @@ def test_fp8_refit_on_ray_cluster_with_colocated_engines(cluster):
     with rr.ReshardGroup(both, both) as group:
         group.refit(specs)
         _check(cfg, sd, specs, infer, _read(both))
+
+
+def test_bench_fp8_command_small_mode():
+    """`python -m ray_reshard bench-fp8` as a user runs it (small mode: the first 4 layers)."""
+    import os
+    import re
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = subprocess.run([sys.executable, "-m", "ray_reshard", "bench-fp8", "--models",
+                        "deepseek-v3", "--layers", "4", "--repeats", "1"], cwd=root,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = p.stdout
+    ratios = [float(x) for x in re.findall(r"-> (\d\.\d+)x\n", out)]
+    assert len(ratios) == 2 and all(0.45 < r < 0.8 for r in ratios), out
+    assert "GB/s of BF16 read" in out
+    assert "bit-exact against the reference: yes" in out
