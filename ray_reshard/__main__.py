@@ -90,7 +90,10 @@ def plan_command(args, ap) -> int:
     t0 = time.perf_counter()
     refit = build_refit(args, ap)
     t1 = time.perf_counter()
-    plan = refit.plan()
+    try:
+        plan = refit.plan()
+    except ValueError as e:          # e.g. FP8 blocks cut by the inference layout
+        ap.error(f"--infer/--train: {str(e).splitlines()[0]}")
     _ = plan.stats
     t2 = time.perf_counter()
     t = traffic(plan, args.bucket_mb << 20,
