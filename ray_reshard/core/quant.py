@@ -25,10 +25,15 @@ in row-major order; blocks cut short by the tensor's edge leave the rest of thei
 Sources that cut a block (e.g. an uneven or fine Megatron TP split: no single source holds the
 whole block). Such a tensor is planned element by element in the source dtype (its bytes cross
 the network unquantised, once per destination domain, as any tensor), and each destination
-rank quantises its own shard once the last piece of it arrived (`QuantPlan`: the receiving
-parts write into a float buffer of the shard, kept across refits, then the shard is quantised
-into the FP8 storage and its scales). Destination shards must be block-aligned in every case,
-as vLLM requires of its FP8 layers (`validate_fp8_block_shape`).
+rank quantises its own shard once the last piece of it arrived (`Finisher`: the receiving
+parts write into a buffer of the shard in the source dtype, kept across refits, then the shard
+is quantised into the FP8 storage and its scales). Destination shards must be whole blocks in
+every case, as vLLM requires of its FP8 layers (`validate_fp8_block_shape`).
+
+Local views. A compiled program (program.py) holds, besides `(side, rank, tensor)` shards, the
+keys `("dst", rank, tensor, SCALE)` (a destination's scales: the runtime and the simulator look
+them up with `scale_view`) and `("dst", rank, tensor, WIDE)` (a `Finisher`'s buffer, made by
+the program itself).
 """
 from __future__ import annotations
 

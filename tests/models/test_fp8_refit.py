@@ -76,7 +76,8 @@ def _check(cfg, sd, specs, infer, dst):
                 (r, name)
             scales, problem = scale_view(spec, name, r, dst[r])
             b = spec.quant.full_block(len(spec.shape))
-            sl = tuple(slice(o // k, -(-(o + n) // k)) for o, n, k in zip(box.offsets, box.sizes, b))
+            sl = tuple(slice(o // k, -(-(o + n) // k))
+                       for o, n, k in zip(box.offsets, box.sizes, b))
             assert torch.equal(scales, s[sl]), (r, name, problem)
             n_fp8 += 1
     assert n_fp8 > 0
