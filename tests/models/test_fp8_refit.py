@@ -147,12 +147,12 @@ def _read(actors):
 
 
 def test_fp8_refit_on_ray_cluster_with_colocated_engines(cluster):
-    """Megatron TP4 (cutting some blocks) -> vLLM TP2 x DP2 FP8 on two nodes, then the same
-    refit colocated (each trainer actor is also an engine actor)."""
+    """Megatron TP4 (cutting some blocks) -> vLLM TP2 x DP2 (experts EP4) FP8 on two nodes,
+    then the same refit colocated (each trainer actor is also an engine actor)."""
     cfg, model = make_model("qwen3_moe", **KV4)
     sd = model.state_dict()
     train = Megatron(tp=4)
-    infer = VLLM(tp=2, dp=2, quantization="fp8", weight_block_size=(16, 16))
+    infer = VLLM(tp=2, dp=2, ep=4, quantization="fp8", weight_block_size=(16, 16))
     specs = refit_specs(cfg, train, infer, dtype=torch.bfloat16, train_dtype=torch.float32)
     _piece._recipe = Recipe(cfg, train, infer)
     src = holders(4, 0)
