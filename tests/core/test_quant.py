@@ -213,3 +213,15 @@ def test_missing_or_wrong_scales_are_named():
         d["w_scale_inv"] = torch.zeros(2, 3)
     with pytest.raises(ValueError, match=r"expected \(2, 4\)"):
         simulate_refit(plan, srcs, dsts)
+
+
+def test_gather_broadcast_refuses_fp8_specs():
+    from ray_reshard.runtime.gather_broadcast import build_steps
+    src = _lay([0, 1], rr.Shard(0))
+    spec = rr.TensorSpec((64, 64), FP8, src, src, src_dtype=torch.bfloat16,
+                         quant=BlockFP8((16, 16)))
+    plan = rr.plan({"w": spec}, ["a"] * 2, ["b"] * 2)
+    procs = {rr.Endpoint(side, r): i for i, (side, r) in
+             enumerate([("src", 0), ("src", 1), ("dst", 0), ("dst", 1)])}
+    with pytest.raises(ValueError, match="'w': block-FP8 .* reshard strategy"):
+        build_steps(plan, procs, 0, 1 << 20)
