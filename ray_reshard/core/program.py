@@ -23,7 +23,9 @@ dtype run, against wire views that are cached per staging buffer.
 Items of a block-FP8 tensor (see `quant`) are blocks, not elements: the sender quantises its
 source region into the item's wire bytes (scales, then FP8 elements), a destination copies
 both out into its FP8 shard and its scales (a forwarder copies them back in); they never
-travel as messages of their own region and take no part in merged runs.
+travel as messages of their own region and take no part in merged runs. Their sizes (blocks of
+`prod(block) + 4` bytes) can leave a wider item after them at an offset its dtype cannot be
+viewed at (a float64 item at byte 12): such an item is packed and unpacked as bytes.
 """
 from __future__ import annotations
 
@@ -106,7 +108,7 @@ class Part:
             self._scales = [views[qi.scale_held][qi.scale_slices]
                             if _blocks(qi) and qi.scale_held >= 0 else None for qi in quant]
         for i, r in enumerate(regions):
-            if quant and _blocks(quant[i]):
+            if quant and (_blocks(quant[i]) or quant[i] is UNALIGNED):
                 continue
             flat = r.is_contiguous()
             if flat and runs:
@@ -161,7 +163,7 @@ class Part:
             torch._foreach_copy_(self._wire_views(buf, cache), [r[3] for r in self._runs])
         if self.quant:
             for i, qi in enumerate(self.quant):
-                if _blocks(qi):
+                if _blocks(qi) or qi is UNALIGNED:
                     self.pack_item(i, buf[self.offsets[i]:self.offsets[i] + self.item_bytes[i]])
 
     def unpack(self, buf: torch.Tensor, cache: bool = True) -> None:
@@ -170,7 +172,7 @@ class Part:
             torch._foreach_copy_([r[3] for r in self._runs], self._wire_views(buf, cache))
         if self.quant:
             for i, qi in enumerate(self.quant):
-                if _blocks(qi):
+                if _blocks(qi) or qi is UNALIGNED:
                     self.unpack_item(i, buf[self.offsets[i]:self.offsets[i] + self.item_bytes[i]])
                 elif qi is not None:
                     qi.finisher.add(self.numels[i])
@@ -181,25 +183,31 @@ class Part:
         if self._msgs is None:
             quant = self.quant or [None] * len(self._regions)
             self._msgs = [r.reshape(-1).view(torch.uint8)
-                          if (qi is None or (sending and not _blocks(qi)))
+                          if (qi is None or qi is UNALIGNED or (sending and not _blocks(qi)))
                           and r.is_contiguous() and (not sending or r.dtype == w)
                           else None
                           for r, w, qi in zip(self._regions, self.wire, quant)]
         return self._msgs
 
     def pack_item(self, i: int, buf: torch.Tensor) -> None:
-        if self.quant and _blocks(self.quant[i]):
-            _quant.pack(self.quant[i], self._regions[i], self._scales[i], buf)
-            return
-        buf.view(self.wire[i]).view(self.shapes[i]).copy_(self._regions[i])
+        qi = self.quant[i] if self.quant else None
+        if _blocks(qi):
+            _quant.pack(qi, self._regions[i], self._scales[i], buf)
+        elif qi is UNALIGNED:
+            buf[:self.item_bytes[i]].copy_(
+                self._regions[i].to(self.wire[i]).contiguous().reshape(-1).view(torch.uint8))
+        else:
+            buf.view(self.wire[i]).view(self.shapes[i]).copy_(self._regions[i])
 
     def unpack_item(self, i: int, buf: torch.Tensor) -> None:
         qi = self.quant[i] if self.quant else None
         if _blocks(qi):
             _quant.unpack(qi, self._regions[i], self._scales[i], buf)
             return
+        if qi is UNALIGNED:
+            buf = buf[:self.item_bytes[i]].clone()
         self._regions[i].copy_(buf.view(self.wire[i]).view(self.shapes[i]))
-        if qi is not None:
+        if qi is not None and qi is not UNALIGNED:
             qi.finisher.add(self.numels[i])
 
     def copy_from(self, other: "Part") -> None:
@@ -215,8 +223,12 @@ class Part:
             if _blocks(qi):
                 _quant.copy(other.quant[i], other._regions[i], other._scales[i],
                             self._regions[i], self._scales[i])
-            elif qi is not None:
+            elif qi is not None and qi is not UNALIGNED:
                 qi.finisher.add(self.numels[i])
+
+
+# A plain item after FP8 blocks at an offset its dtype cannot be viewed at: copied as bytes.
+UNALIGNED = "unaligned"
 
 
 def _blocks(qi) -> bool:
@@ -338,7 +350,7 @@ def _part(plan: Plan, t: Transfer, side: str, rank: int, held_index: dict, held:
             qi, box = ctx.item(box)
             quant.append(qi)
         elif quant is not None:
-            quant.append(None)
+            quant.append(UNALIGNED if off % size else None)
         sizes = box.sizes
         hs.append(h)
         sl.append(tuple([slice(a - o, a - o + n) for a, o, n in zip(box.offsets, origin, sizes)]))

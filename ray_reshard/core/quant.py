@@ -206,8 +206,8 @@ def check_spec(spec) -> None:
     if spec.dtype != FP8:
         raise ValueError(f"quant={q!r} needs dtype {FP8} (what the destination holds), got "
                          f"{spec.dtype}")
-    if not spec.source_dtype.is_floating_point or spec.source_dtype.itemsize == 1:
-        raise ValueError(f"quant={q!r}: sources must hold a float dtype wider than 8 bits, got "
+    if spec.source_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"quant={q!r}: sources must hold bfloat16, float16 or float32, got "
                          f"{spec.source_dtype}")
     if len(spec.shape) < 2:
         raise ValueError(f"quant={q!r} needs a tensor of at least 2 dims (blocks over the last "

@@ -225,3 +225,19 @@ def test_gather_broadcast_refuses_fp8_specs():
              enumerate([("src", 0), ("src", 1), ("dst", 0), ("dst", 1)])}
     with pytest.raises(ValueError, match="'w': block-FP8 .* reshard strategy"):
         build_steps(plan, procs, 0, 1 << 20)
+
+
+def test_wider_items_after_fp8_blocks_travel_as_bytes():
+    """A 2x4 block is 12 wire bytes: a float64 tensor packed after one starts at byte 12."""
+    one = _lay([0], rr.Replicate())
+    q = rr.TensorSpec((2, 4), FP8, one, one, src_dtype=torch.bfloat16, quant=BlockFP8((2, 4)))
+    d = rr.TensorSpec((3,), torch.float64, one, one)
+    plan = rr.plan({"q": q, "d": d}, ["a"], ["b"])
+    x = _full((2, 4))
+    src = [{"q": x, "d": torch.randn(3, dtype=torch.float64)}]
+    dst = [{"q": torch.zeros(2, 4, dtype=FP8), "q_scale_inv": torch.zeros(1, 1),
+            "d": torch.zeros(3, dtype=torch.float64)}]
+    simulate_refit(plan, src, dst)
+    rq, rs = reference_quantize(x, (2, 4))
+    assert torch.equal(dst[0]["d"], src[0]["d"])
+    assert torch.equal(_bytes(dst[0]["q"]), _bytes(rq)) and torch.equal(dst[0]["q_scale_inv"], rs)
