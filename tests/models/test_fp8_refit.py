@@ -195,3 +195,50 @@ def test_bench_fp8_command_small_mode():
     assert len(ratios) == 2 and all(0.45 < r < 0.8 for r in ratios), out
     assert "GB/s of BF16 read" in out
     assert "bit-exact against the reference: yes" in out
+
+
+def test_fp8_items_as_single_messages_on_ray(cluster):
+    """Items of 64 KiB and more travel as one message each (staged: quantised on the way out,
+    weights and scales unpacked on the way in; a fallback tensor widened), forwarded to the
+    other replica of each destination node."""
+    g = torch.Generator().manual_seed(3)
+    full = (torch.randn(1024, 512, generator=g) * 0.02).to(torch.bfloat16)
+    cut = (torch.randn(600, 1024, generator=g) * 0.02).to(torch.bfloat16)
+    q = rr.BlockFP8((16, 16))
+    src2 = rr.Layout(rr.Mesh([0, 1]), (rr.Shard(0),))
+    src3 = rr.Layout(rr.Mesh([0, 1, 2]), (rr.Shard(0),))           # 200-row shards cut blocks
+    dst = rr.Layout(rr.Mesh([[0, 1], [2, 3]], ("dp", "tp")), (rr.Replicate(), rr.Shard(1)))
+    specs = {"w": rr.TensorSpec(full.shape, FP8, src2, dst, src_dtype=torch.bfloat16, quant=q),
+             "c": rr.TensorSpec(cut.shape, FP8, src3, dst, src_dtype=torch.bfloat16, quant=q)}
+    src = holders(3, 0)
+    engines = [holders(1, 0)[0], holders(1, 1)[0], holders(1, 0)[0], holders(1, 1)[0]]
+    ray.get([a.set.remote({k: rr.shard_tensor(t, lay, r) for k, t, lay in
+                           (("w", full, src2), ("c", cut, src3)) if r in lay.mesh.ranks})
+             for r, a in enumerate(src)])
+
+    def make(actor, shapes):
+        actor.tensors = {k: torch.zeros(s, dtype=FP8 if not k.endswith("inv") else torch.float32)
+                         for k, s in shapes.items()}
+
+    for r, a in enumerate(engines):
+        shapes = {}
+        for k, t in (("w", full), ("c", cut)):
+            local = dst.local_shape(r, t.shape)
+            shapes[k], shapes[k + "_scale_inv"] = local, q.scale_shape(local)
+        ray.get(a.__ray_call__.remote(make, shapes))
+    with rr.ReshardGroup(src, engines) as group:
+        result = group.refit(specs)
+        assert result.bytes_by_path["domain"] > 0
+    got = _read(engines)
+    for k, t in (("w", full), ("c", cut)):
+        rq, rs = reference_quantize(t, (16, 16))
+        for r in range(4):
+            box = dst.box(r, t.shape)
+            sl = slice(box.offsets[1] // 16, (box.offsets[1] + box.sizes[1]) // 16)
+            assert torch.equal(got[r][k].view(torch.uint8), rq[box.slices()].view(torch.uint8))
+            assert torch.equal(got[r][k + "_scale_inv"], rs[:, sl])
+    plan = rr.plan(specs, ["n0"] * 3, ["n0", "n1", "n0", "n1"])
+    big = [t for t in plan.schedule(64 << 20).transfers if t.path == "network"
+           and all(it.box.numel * specs[plan.names[it.tensor]].itemsize >= 64 << 10
+                   for it in t.items)]
+    assert {plan.names[it.tensor] for t in big for it in t.items} == {"w", "c"}
