@@ -259,8 +259,8 @@ def reference_quantize(x: torch.Tensor, block: Sequence[int] = (128, 128)
     return q, scales
 
 
-# Elements quantised per pass: a float32 slab of this size stays in cache (large tensors
-# quantised in one pass ran 3x slower on CPU).
+# Elements quantised per pass on CPU: a float32 slab of this size stays in cache (large tensors
+# quantised in one pass ran 3x slower). Devices quantise a region in one pass.
 SLAB = 1 << 20
 
 
@@ -273,6 +273,8 @@ def quantize(x: torch.Tensor, block: Sequence[int]) -> tuple[torch.Tensor, torch
     bn, bk = block[-2:]
     rows, cols = shape[-2:]
     step = max(1, SLAB // max(1, bn * cols)) * bn            # whole block rows per slab
+    if x.device.type != "cpu":
+        step = max(rows, 1)
     if len(shape) == 2 and rows <= step:
         return _quantize2d(x, bn, bk)
     q = torch.empty(shape, dtype=FP8, device=x.device)
