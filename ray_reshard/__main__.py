@@ -31,6 +31,8 @@ BENCHES = {
     "bench-faults": ("ray_reshard.bench.faults", "seconds from each kind of fault to RefitError"),
     "bench-overlap": ("ray_reshard.bench.overlap",
                       "trainer idle time per step: blocking vs overlapped refits"),
+    "bench-fp8": ("ray_reshard.bench.fp8",
+                  "block-FP8 refits: bytes vs BF16, quantisation throughput, bit-exactness"),
 }
 
 
@@ -91,7 +93,10 @@ def plan_command(args, ap) -> int:
     t0 = time.perf_counter()
     refit = build_refit(args, ap)
     t1 = time.perf_counter()
-    plan = refit.plan()
+    try:
+        plan = refit.plan()
+    except ValueError as e:          # e.g. FP8 blocks cut by the inference layout
+        ap.error(f"--infer/--train: {str(e).splitlines()[0]}")
     _ = plan.stats
     t2 = time.perf_counter()
     t = traffic(plan, args.bucket_mb << 20,

@@ -16,6 +16,7 @@ from .core.pack import shard_view
 from .core.plan import DEFAULT_BUCKET_BYTES, Plan
 from .core.planner import Endpoint
 from .core.program import COPY, SEND, compile_program
+from .core.quant import WIDE, scale_view
 
 
 def simulate_refit(plan: Plan, src_storage: Sequence[Mapping[str, torch.Tensor]],
@@ -29,7 +30,8 @@ def simulate_refit(plan: Plan, src_storage: Sequence[Mapping[str, torch.Tensor]]
     programs = []
     for ep in eps:
         prog = compile_program(plan, [ep], bucket_bytes)
-        views = {k: shard_view(plan, k[0], k[1], k[2], storages[k[0]][k[1]]) for k in prog.held}
+        views = {k: _view(plan, k, storages[k[0]][k[1]]) for k in prog.held
+                 if len(k) == 3 or k[3] != WIDE}
         prog.bind(views)
         programs.append(prog)
     moved = {"network": 0, "domain": 0, "local": 0}
@@ -61,3 +63,14 @@ def simulate_refit(plan: Plan, src_storage: Sequence[Mapping[str, torch.Tensor]]
         raise RuntimeError(f"programs disagree: {len(packed)} buckets sent and never received, "
                            f"{len(waiting)} expected and never sent")
     return moved
+
+
+def _view(plan: Plan, key: tuple, storage: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The local view of a held key: a shard, or (4-field keys) a block-FP8 shard's scales."""
+    side, rank, tensor = key[:3]
+    if len(key) == 3:
+        return shard_view(plan, side, rank, tensor, storage)
+    view, problem = scale_view(plan.specs[tensor], plan.names[tensor], rank, storage)
+    if view is None:
+        raise ValueError(f"{plan.names[tensor]!r} on {side} rank {rank}: {problem}")
+    return view

@@ -219,12 +219,12 @@ def _load_plan(state: dict) -> "Plan":
 
 
 def _pack_specs(specs: Sequence[TensorSpec]) -> tuple:
-    """Specs as columns: each distinct (shape, dtype, layouts, source dtype) once, and per
+    """Specs as columns: each distinct (shape, dtype, layouts, source dtype, quant) once, and per
     spec its index, and the slot tables (see `pack_slot_tables`)."""
     kinds: dict = {}
     kind_of, src_slots, dst_slots = [], [], []
     for sp in specs:
-        k = (sp.shape, sp.dtype, id(sp.src), id(sp.dst), sp.src_dtype)
+        k = (sp.shape, sp.dtype, id(sp.src), id(sp.dst), sp.src_dtype, sp.quant)
         i = kinds.get(k)
         if i is None:
             i = kinds[k] = len(kinds)
@@ -233,7 +233,7 @@ def _pack_specs(specs: Sequence[TensorSpec]) -> tuple:
         dst_slots.append(sp.dst_slots)
     by_id = {id(sp.src): sp.src for sp in specs}
     by_id.update((id(sp.dst), sp.dst) for sp in specs)
-    table = [(shape, dtype, by_id[s], by_id[d], sdt) for (shape, dtype, s, d, sdt) in kinds]
+    table = [(shape, dtype, by_id[s], by_id[d], sdt, q) for (shape, dtype, s, d, sdt, q) in kinds]
     return table, array("I", kind_of), pack_slot_tables(src_slots), pack_slot_tables(dst_slots)
 
 
@@ -248,10 +248,10 @@ def _unpack_specs(columns) -> tuple[TensorSpec, ...]:
     out = []
     append = out.append
     for k, ss, ds in zip(kind_of, src_slots, dst_slots):
-        shape, dtype, src, dst, sdt = table[k]
+        shape, dtype, src, dst, sdt, quant = table[k]
         sp = _new(TensorSpec)
         sp.__dict__.update(shape=shape, dtype=dtype, src=src, dst=dst, src_dtype=sdt,
-                           src_slots=ss, dst_slots=ds)
+                           src_slots=ss, dst_slots=ds, quant=quant)
         append(sp)
     return tuple(out)
 
@@ -594,7 +594,7 @@ def plan(specs: Mapping[str, TensorSpec], src_domains: Optional[Sequence[Any]] =
     with gc_paused():
         for name, spec in specs.items():
             key = (spec.shape, spec.dtype, id(spec.src), id(spec.dst), id(spec.src_slots),
-                   id(spec.dst_slots))
+                   id(spec.dst_slots), spec.quant and (spec.quant, spec.source_dtype))
             tp = seen.get(key)
             try:
                 if tp is None:

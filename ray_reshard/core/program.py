@@ -19,6 +19,13 @@ and rebuilt only for the parts whose shards changed (a trainer that rebinds `par
 seen at the next refit). Adjacent contiguous regions of one storage are merged into one copy.
 Packing and unpacking copy all regions of a part with one `torch._foreach_copy_` call per
 dtype run, against wire views that are cached per staging buffer.
+
+Items of a block-FP8 tensor (see `quant`) are blocks, not elements: the sender quantises its
+source region into the item's wire bytes (scales, then FP8 elements), a destination copies
+both out into its FP8 shard and its scales (a forwarder copies them back in); they never
+travel as messages of their own region and take no part in merged runs. Their sizes (blocks of
+`prod(block) + 4` bytes) can leave a wider item after them at an offset its dtype cannot be
+viewed at (a float64 item at byte 12): such an item is packed and unpacked as bytes.
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
+from . import quant as _quant
 from .plan import Plan, Transfer, build_share, gc_paused, parent_key
 from .planner import NETWORK, Endpoint
 
@@ -56,9 +64,10 @@ class Part:
     """The items of one transfer on one side, resolved against this process's shards."""
 
     __slots__ = ("held", "slices", "shapes", "numels", "wire", "offsets", "nbytes", "item_bytes",
-                 "_regions", "_runs", "_wires", "_msgs")
+                 "quant", "_regions", "_runs", "_wires", "_msgs", "_scales")
 
-    def __init__(self, held, slices, shapes, numels, wire, offsets, item_bytes, nbytes):
+    def __init__(self, held, slices, shapes, numels, wire, offsets, item_bytes, nbytes,
+                 quant=None):
         self.held = held              # per item: index into Program.held
         self.slices = slices          # per item: slices of the item inside its shard
         self.shapes = shapes          # per item: the item's shape
@@ -67,6 +76,8 @@ class Part:
         self.offsets = offsets        # per item: byte offset in the bucket
         self.item_bytes = item_bytes
         self.nbytes = nbytes
+        self.quant = quant            # None, or per item: a quant.QuantItem or None
+        self._scales = None           # per quantised item holding scales: their region (bound)
         self._regions = None          # per item: region view in the local shard (bound)
         self._runs = None             # merged copy runs (see _bind)
         self._wires: dict = {}        # staging buffer data pointer -> wire views of the runs
@@ -77,15 +88,28 @@ class Part:
 
     # ------------------------------------------------------------------ binding
     def unbind(self) -> None:
-        self._regions = self._runs = self._msgs = None
+        self._regions = self._runs = self._msgs = self._scales = None
         self._wires = {}
+
+    def holds(self) -> set:
+        """Held indices this part reads or writes (a quantised item's scales too)."""
+        got = set(self.held)
+        if self.quant:
+            got.update(qi.scale_held for qi in self.quant if _blocks(qi) and qi.scale_held >= 0)
+        return got
 
     def bind(self, views: Sequence[torch.Tensor]) -> None:
         """Resolve every item's region in `views` (indexed like Program.held) and merge runs."""
         regions = [views[h][s] for h, s in zip(self.held, self.slices)]
         # A run: (first item, last item + 1, wire dtype, local region of the whole run, flat).
         runs = []
+        quant = self.quant
+        if quant:
+            self._scales = [views[qi.scale_held][qi.scale_slices]
+                            if _blocks(qi) and qi.scale_held >= 0 else None for qi in quant]
         for i, r in enumerate(regions):
+            if quant and (_blocks(quant[i]) or quant[i] is UNALIGNED):
+                continue
             flat = r.is_contiguous()
             if flat and runs:
                 a, b, wd, prev, pflat = runs[-1]
@@ -135,30 +159,81 @@ class Part:
 
     def pack(self, buf: torch.Tensor, cache: bool = True) -> None:
         """Copy the items from the local shards into `buf` (uint8, the bucket's bytes)."""
-        torch._foreach_copy_(self._wire_views(buf, cache), [r[3] for r in self._runs])
+        if self._runs:
+            torch._foreach_copy_(self._wire_views(buf, cache), [r[3] for r in self._runs])
+        if self.quant:
+            for i, qi in enumerate(self.quant):
+                if _blocks(qi) or qi is UNALIGNED:
+                    self.pack_item(i, buf[self.offsets[i]:self.offsets[i] + self.item_bytes[i]])
 
     def unpack(self, buf: torch.Tensor, cache: bool = True) -> None:
         """Copy a bucket's bytes from `buf` into the local shards."""
-        torch._foreach_copy_([r[3] for r in self._runs], self._wire_views(buf, cache))
+        if self._runs:
+            torch._foreach_copy_([r[3] for r in self._runs], self._wire_views(buf, cache))
+        if self.quant:
+            for i, qi in enumerate(self.quant):
+                if _blocks(qi) or qi is UNALIGNED:
+                    self.unpack_item(i, buf[self.offsets[i]:self.offsets[i] + self.item_bytes[i]])
+                elif qi is not None:
+                    qi.finisher.add(self.numels[i])
 
     def messages(self, sending: bool) -> list:
         """Per item (one message each): the region's own bytes when it is contiguous (and, to
         send, already in the wire dtype), else None: that item goes through a staging buffer."""
         if self._msgs is None:
+            quant = self.quant or [None] * len(self._regions)
             self._msgs = [r.reshape(-1).view(torch.uint8)
-                          if r.is_contiguous() and (not sending or r.dtype == w) else None
-                          for r, w in zip(self._regions, self.wire)]
+                          if (qi is None or qi is UNALIGNED or (sending and not _blocks(qi)))
+                          and r.is_contiguous() and (not sending or r.dtype == w)
+                          else None
+                          for r, w, qi in zip(self._regions, self.wire, quant)]
         return self._msgs
 
     def pack_item(self, i: int, buf: torch.Tensor) -> None:
-        buf.view(self.wire[i]).view(self.shapes[i]).copy_(self._regions[i])
+        qi = self.quant[i] if self.quant else None
+        if _blocks(qi):
+            _quant.pack(qi, self._regions[i], self._scales[i], buf)
+        elif qi is UNALIGNED:
+            buf[:self.item_bytes[i]].copy_(
+                self._regions[i].to(self.wire[i]).contiguous().reshape(-1).view(torch.uint8))
+        else:
+            buf.view(self.wire[i]).view(self.shapes[i]).copy_(self._regions[i])
 
     def unpack_item(self, i: int, buf: torch.Tensor) -> None:
+        qi = self.quant[i] if self.quant else None
+        if _blocks(qi):
+            _quant.unpack(qi, self._regions[i], self._scales[i], buf)
+            return
+        if qi is UNALIGNED:
+            buf = buf[:self.item_bytes[i]].clone()
         self._regions[i].copy_(buf.view(self.wire[i]).view(self.shapes[i]))
+        if qi is not None and qi is not UNALIGNED:
+            qi.finisher.add(self.numels[i])
 
     def copy_from(self, other: "Part") -> None:
         """Local copy: this part's regions take `other`'s (same items, same order)."""
-        torch._foreach_copy_(self._regions, other._regions)
+        if not self.quant:
+            torch._foreach_copy_(self._regions, other._regions)
+            return
+        plain = [i for i, qi in enumerate(self.quant) if not _blocks(qi)]
+        if plain:
+            torch._foreach_copy_([self._regions[i] for i in plain],
+                                 [other._regions[i] for i in plain])
+        for i, qi in enumerate(self.quant):
+            if _blocks(qi):
+                _quant.copy(other.quant[i], other._regions[i], other._scales[i],
+                            self._regions[i], self._scales[i])
+            elif qi is not None and qi is not UNALIGNED:
+                qi.finisher.add(self.numels[i])
+
+
+# A plain item after FP8 blocks at an offset its dtype cannot be viewed at: copied as bytes.
+UNALIGNED = "unaligned"
+
+
+def _blocks(qi) -> bool:
+    """An item of whole FP8 blocks (quantised by its sender), not plain or widened elements."""
+    return type(qi) is _quant.QuantItem
 
 
 @dataclass
@@ -188,6 +263,7 @@ class Program:
     _sigs: Optional[list] = None
     _users: Optional[list] = None  # per held index: the parts reading or writing that shard
     _token: Any = None             # the caller's name for the views bound last (see bind)
+    finishers: list = field(default_factory=list)   # see quant.Finisher
 
     @property
     def n_items(self) -> int:
@@ -204,19 +280,25 @@ class Program:
         """Bind every part to the shard views `lookup[(side, rank, tensor)]`; only the parts
         whose shards changed storage, shape, strides or dtype since the last bind are rebuilt.
         `token`: the caller's name for exactly these view objects (None: unnamed); binding
-        the views bound last under the same token checks nothing. Returns how many parts were
-        (re)built."""
+        the views bound last under the same token checks nothing (finishers still start a new
+        refit). Returns how many parts were (re)built."""
+        views = None
+        if self.finishers:
+            views = [lookup.get(k) for k in self.held]
+            for f in self.finishers:
+                f.bind(views)
         if token is not None and token == self._token and self._sigs is not None:
             return 0
         self._token = token
-        views = [lookup[k] for k in self.held]
+        if views is None:
+            views = [lookup[k] for k in self.held]
         # Shapes, dtypes and devices are validated before every refit: where the view starts
         # and how it is laid out tell whether the regions cut from it still hold.
         sigs = [(v.data_ptr(), v.stride()) for v in views]
         if self._users is None:
             self._users = [[] for _ in self.held]
             for p in self.parts():
-                for h in set(p.held):
+                for h in p.holds():
                     self._users[h].append(p)
         if self._sigs is None:
             dirty = list(self.parts())
@@ -241,8 +323,9 @@ class Program:
 
 
 def _part(plan: Plan, t: Transfer, side: str, rank: int, held_index: dict, held: list,
-          info: dict) -> Part:
+          info: dict, finishers: list) -> Part:
     hs, sl, shapes, numels, wire, offs, nbs = [], [], [], [], [], [], []
+    quant = None
     off = 0
     for it in t.items:
         ti = it.tensor
@@ -252,10 +335,31 @@ def _part(plan: Plan, t: Transfer, side: str, rank: int, held_index: dict, held:
             spec = plan.specs[ti]
             h = held_index[k] = len(held)
             held.append(k)
-            got = info[k] = (h, spec.layout(side).box(rank, spec.shape).offsets, spec.dtype,
-                             spec.itemsize)
-        h, origin, dtype, size = got
+            ctx = None
+            if spec.quant is not None:
+                ctx = _quant.ItemContext(spec, side, rank, ti)
+                if ctx.scale_key is not None:
+                    held_index[ctx.scale_key] = ctx.scale_held = len(held)
+                    held.append(ctx.scale_key)
+                f = ctx.finisher
+                if f is not None:         # items land in its buffer: a held key of its own
+                    f.held[0] = h
+                    for j in (1, 2):
+                        f.held[j] = held_index[f.keys[j]] = len(held)
+                        held.append(f.keys[j])
+                    h = f.held[2]
+                    finishers.append(f)
+            got = info[k] = (h, spec.layout(side).box(rank, spec.shape).offsets,
+                             spec.dtype if ctx is None else ctx.wire_dtype, spec.itemsize, ctx)
+        h, origin, dtype, size, ctx = got
         box = it.box
+        if ctx is not None:
+            if quant is None:
+                quant = [None] * len(hs)
+            qi, box = ctx.item(box)
+            quant.append(qi)
+        elif quant is not None:
+            quant.append(UNALIGNED if off % size else None)
         sizes = box.sizes
         hs.append(h)
         sl.append(tuple([slice(a - o, a - o + n) for a, o, n in zip(box.offsets, origin, sizes)]))
@@ -266,10 +370,11 @@ def _part(plan: Plan, t: Transfer, side: str, rank: int, held_index: dict, held:
         numels.append(n)
         wire.append(dtype)
         offs.append(off)
-        nb = n * size
+        nb = n * size if ctx is None else it.box.numel * size
         nbs.append(nb)
         off += nb
-    return Part(hs, sl, shapes, numels, wire, offs, nbs, off)
+    return Part(hs, sl, shapes, numels, wire, offs, nbs, off,
+                None if quant is None or all(q is None for q in quant) else quant)
 
 
 def compile_program(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int,
@@ -296,15 +401,18 @@ def compile_program(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int
 def _compile(plan, mine, bucket_bytes, proc_of, transfers, per_item_bytes) -> Program:
     held: list = []
     held_index: dict = {}
-    info: dict = {}              # (side, rank, tensor) -> (held index, origin, dtype, itemsize)
+    info: dict = {}              # (side, rank, tensor) -> (held index, origin, dtype, itemsize, ..)
+    finishers: list = []         # block-FP8 shards quantised here once received (quant.Finisher)
     steps = []
     ring: dict = {}
     for t in transfers:
         dst_ep = Endpoint("dst", t.dst)
         here_send, here_recv = t.src in mine, dst_ep in mine
         after = parent_key(t) if (here_send and t.src.side == "dst") else None
-        send = _part(plan, t, t.src.side, t.src.rank, held_index, held, info) if here_send else None
-        recv = _part(plan, t, "dst", t.dst, held_index, held, info) if here_recv else None
+        send = (_part(plan, t, t.src.side, t.src.rank, held_index, held, info, finishers)
+                if here_send else None)
+        recv = (_part(plan, t, "dst", t.dst, held_index, held, info, finishers)
+                if here_recv else None)
         if here_send and here_recv:
             kind, peer = COPY, -1
         elif here_send:
@@ -317,7 +425,7 @@ def _compile(plan, mine, bucket_bytes, proc_of, transfers, per_item_bytes) -> Pr
         whole = (per_item_bytes is not None and t.path == NETWORK
                  and min(part.item_bytes) >= per_item_bytes)
         steps.append(Step(kind, t.key, t.path, peer, t.nbytes, whole, after, send, recv))
-    return Program(held, steps, bucket_bytes, ring)
+    return Program(held, steps, bucket_bytes, ring, finishers=finishers)
 
 
 class _Procs:

@@ -6,7 +6,7 @@ from array import array
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import repeat
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
@@ -236,7 +236,9 @@ class TensorSpec:
     destination-dtype bytes move. `src_slots` / `dst_slots` map a rank to a `Slot` when the rank
     stores its shard inside a larger (fused or stacked) local tensor; without them a rank's
     local tensor is the one named like the logical tensor (a mapping rank -> Slot, or (rank,
-    Slot) pairs, is kept as `Slots`).
+    Slot) pairs, is kept as `Slots`). `quant` (a `BlockFP8`, with `dtype=torch.float8_e4m3fn`)
+    asks for block FP8 on the destination, quantised by the senders, with float32 scales beside
+    the weights (see `ray_reshard.core.quant`).
     """
 
     shape: tuple[int, ...]
@@ -246,6 +248,7 @@ class TensorSpec:
     src_dtype: Optional[torch.dtype] = None
     src_slots: Optional[Slots] = field(default=None)
     dst_slots: Optional[Slots] = field(default=None)
+    quant: Optional[Any] = None
 
     def __post_init__(self):
         shape = self.shape
@@ -274,6 +277,8 @@ class TensorSpec:
                 raise TypeError(f"{side} must be a Layout, got {type(getattr(self, side)).__name__}")
         object.__setattr__(self, "src_slots", _freeze_slots(self.src_slots))
         object.__setattr__(self, "dst_slots", _freeze_slots(self.dst_slots))
+        if self.quant is not None:
+            _quant().check_spec(self)
         try:
             hash(self)    # cached now: computing it later, at a refit, allocates per spec
         except TypeError:
@@ -285,6 +290,9 @@ class TensorSpec:
 
     @property
     def itemsize(self) -> int:
+        """Bytes per planned element (quantised specs: see quant.wire_itemsize)."""
+        if self.quant is not None:
+            return _quant().wire_itemsize(self)
         return _itemsize(self.dtype)
 
     @property
@@ -296,11 +304,15 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
+        if self.quant is not None:
+            return _quant().wire_nbytes(self)
         return self.numel * self.itemsize
 
     @property
     def signature(self) -> tuple:
         """What the plan's shape depends on: tensors with equal signatures share one plan."""
+        if self.quant is not None:
+            return _quant().signature(self)
         return (self.shape, self.itemsize, self.src, self.dst)
 
     def layout(self, side: str) -> Layout:
@@ -319,7 +331,7 @@ class TensorSpec:
         h = self.__dict__.get("_hash")
         if h is None:
             h = hash((self.shape, self.dtype, self.src, self.dst, self.src_dtype, self.src_slots,
-                      self.dst_slots))
+                      self.dst_slots, self.quant))
             object.__setattr__(self, "_hash", h)
         return h
 
@@ -339,7 +351,7 @@ class TensorSpec:
         if checked is not None:
             ss, ds = self.src_slots, self.dst_slots
             key = (self.shape, id(self.src), id(self.dst), None if ss is None else id(ss.ranks),
-                   None if ds is None else id(ds.ranks))
+                   None if ds is None else id(ds.ranks), self.quant, self.dtype)
             if key in checked:
                 return
             self.validate(name)
@@ -355,6 +367,13 @@ class TensorSpec:
                     if r not in mesh_ranks:
                         raise ValueError(f"{name!r}: {side}_slots names rank {r}, which is not in "
                                          f"the {side} mesh {sorted(mesh_ranks)}")
+        if self.quant is not None:
+            _quant().validate(self, name)
+
+
+def _quant():
+    from . import quant
+    return quant
 
 
 _ITEMSIZE: dict = {}

@@ -7,6 +7,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 
 from ..core.plan import gc_paused
+from ..core.quant import FP8
 from ..core.slicing import assemble as _assemble
 from ..core.spec import TensorSpec
 from .config import ModelDims, model_dims
@@ -22,6 +23,8 @@ def _piece_dtype(pc: Piece, dtype: torch.dtype) -> torch.dtype:
 
 
 def _decl_dtype(decl: StorageDecl, dtype: torch.dtype) -> torch.dtype:
+    if decl.fp8:
+        return FP8
     return torch.float32 if decl.fp32 else dtype
 
 
@@ -55,6 +58,11 @@ class Recipe:
                 d_lay, d_slots = self.dst.place(pc)
                 dt = _piece_dtype(pc, dtype)
                 sdt = _piece_dtype(pc, src_dtype) if src_dtype is not None else None
+                quant = self.dst.quant_of(pc)
+                if quant is not None:       # block FP8, quantised by the senders
+                    out[pc.name] = TensorSpec(pc.shape, FP8, s_lay, d_lay, src_dtype=sdt or dt,
+                                              src_slots=s_slots, dst_slots=d_slots, quant=quant)
+                    continue
                 out[pc.name] = TensorSpec(pc.shape, dt, s_lay, d_lay,
                                           src_dtype=None if sdt == dt else sdt,
                                           src_slots=s_slots, dst_slots=d_slots)

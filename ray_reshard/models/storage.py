@@ -32,6 +32,7 @@ class StorageDecl:
 
     shape: tuple[int, ...]
     fp32: bool = False          # kept in float32 whatever the model dtype (router bias)
+    fp8: bool = False           # block-FP8 weights (float8_e4m3fn), scales in a fp32 store
 
 
 Stores = dict  # role -> (storage name, StorageDecl)
@@ -81,6 +82,10 @@ class EngineSide:
     def holds(self, pc: Piece) -> bool:
         """Whether this side keeps the piece at all (e.g. a vLLM main model has no MTP layer)."""
         return True
+
+    def quant_of(self, pc: Piece):
+        """The block-FP8 format this side keeps the piece in (a core.quant.BlockFP8), or None."""
+        return None
 
     def _place(self, pc: Piece):
         raise NotImplementedError

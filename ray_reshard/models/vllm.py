@@ -29,6 +29,16 @@ experts ``mlp.experts.routed_experts.w13_weight`` / ``w2_weight`` (vLLM >= 0.33'
 ``version`` below 0.33 gives FusedMoE's ``mlp.experts.w13_weight``), and
 ``mlp.gate.e_score_correction_bias`` only for ``topk_method == "noaux_tc"``.
 
+``quantization="fp8"`` describes an engine serving DeepSeek-style block FP8 (vLLM's
+``Fp8LinearMethod`` / ``Fp8MoEMethod`` with ``weight_block_size``, default 128 x 128): every
+linear projection of attention and MLPs (qkv_proj, o_proj, gate_up_proj, down_proj, the MLA
+projections, shared experts) and the routed experts' w13 / w2 are ``float8_e4m3fn`` with a
+float32 ``<storage>_scale_inv`` of ``[ceil(N/bn), ceil(K/bk)]`` blocks per weight (stacked per
+expert for w13 / w2), and their specs ask the senders to quantise. Norms, embeddings, the
+lm_head, the router gate (and its bias) and the MTP ``eh_proj`` (a plain nn.Linear) stay in
+the model dtype, as vLLM keeps them (the gate as FP8 checkpoints list it in
+``modules_to_not_convert``).
+
 ``model="mtp"`` describes vLLM's DeepSeek MTP draft model (``DeepSeekMTP``), refit separately
 from the main model: ``model.embed_tokens.weight``, and per MTP layer ``l`` (numbered after the
 decoder layers) ``model.layers.{l}.enorm`` / ``hnorm`` / ``eh_proj`` (a plain nn.Linear, whole
@@ -43,12 +53,19 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..core.placement import Replicate, Shard
+from ..core.quant import BlockFP8
 from ..core.spec import Slot
 from .config import ModelDims
 from .pieces import Piece, is_mtp
 from .storage import EngineSide, StorageDecl, Stores, check_counts, check_pos, div
 
 PLACEMENTS = ("linear", "round_robin")
+QUANTIZATIONS = (None, "fp8")
+# Stores vLLM's FP8 methods keep as block FP8, and the piece kinds stored in them.
+FP8_ROLES = frozenset({"qkv_w", "o_w", "gate_up", "down", "sh_gate_up", "sh_down", "w13", "w2",
+                       "q_a", "kv_a", "q_b", "q_full", "kv_b"})
+FP8_KINDS = frozenset({"q", "k", "v", "o", "gate", "up", "down", "sh_gate", "sh_up", "sh_down",
+                       "e_gate", "e_up", "e_down", "q_a", "kv_a", "q_b", "q_full", "kv_b"})
 
 
 def parse_version(version: str) -> tuple[int, int]:
@@ -79,7 +96,8 @@ class VLLM:
     ep > tp, else 1); `ep` is 1 or engine_dp * tp. `vocab_padding` is vLLM's
     DEFAULT_VOCAB_PADDING_SIZE. `expert_placement` is vLLM's expert_placement_strategy.
     `version` picks names that changed between vLLM versions. `model` is "main" or "mtp"
-    (the DeepSeek MTP draft model).
+    (the DeepSeek MTP draft model). `quantization="fp8"`: block FP8 of `weight_block_size`
+    (see the module docstring).
     """
 
     tp: int = 1
@@ -92,6 +110,8 @@ class VLLM:
     expert_placement: str = "linear"
     version: str = "0.33"
     model: str = "main"
+    quantization: Optional[str] = None
+    weight_block_size: Sequence[int] = (128, 128)
 
     def __post_init__(self):
         for n in ("tp", "dp", "pp", "ep", "vocab_padding"):
@@ -116,6 +136,11 @@ class VLLM:
             raise ValueError("vLLM MTP draft model: pp must be 1")
         if self.layers_per_stage is not None:
             object.__setattr__(self, "layers_per_stage", tuple(int(x) for x in self.layers_per_stage))
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"vLLM quantization must be one of {QUANTIZATIONS}, got "
+                             f"{self.quantization!r}")
+        object.__setattr__(self, "weight_block_size", tuple(self.weight_block_size))
+        BlockFP8(self.weight_block_size)          # checks it
 
     @property
     def world(self) -> int:
@@ -164,6 +189,7 @@ class VLLM:
         s = "vLLM " + "x".join(parts)
         if self.engine_dp > 1:
             s += f" ({self.engines} engine{'s' if self.engines > 1 else ''})"
+        s += " FP8" if self.quantization == "fp8" else ""
         return s + (" MTP draft" if self.model == "mtp" else "")
 
 
@@ -174,6 +200,7 @@ class VLLMSide(EngineSide):
         super().__init__(dims)
         d, self.par = dims, par
         tp = par.tp
+        self.fp8 = BlockFP8(par.weight_block_size) if par.quantization == "fp8" else None
         self.mtp = par.model == "mtp"
         if self.mtp:
             if not d.mtp_layers:
@@ -220,6 +247,11 @@ class VLLMSide(EngineSide):
     @property
     def n_ranks(self) -> int:
         return self.par.world
+
+    def quant_of(self, pc: Piece):
+        if self.fp8 is None or pc.bias or pc.kind not in FP8_KINDS:
+            return None
+        return self.fp8
 
     def holds(self, pc: Piece) -> bool:
         if self.mtp:
@@ -274,7 +306,14 @@ class VLLMSide(EngineSide):
         tp = par.tp
         out: Stores = {}
 
+        fp8 = self.fp8
+
         def put(role, name, *shape, fp32=False):
+            if fp8 is not None and role in FP8_ROLES:
+                out[role] = (name, StorageDecl(tuple(shape), fp8=True))
+                out[role + "_scale"] = (fp8.scale_storage(name),
+                                        StorageDecl(fp8.scale_shape(shape), fp32=True))
+                return
             out[role] = (name, StorageDecl(tuple(shape), fp32))
 
         P = f"model.layers.{layer}."

@@ -51,6 +51,9 @@ def build_steps(plan: Plan, ep_pid: dict, pid: int, bucket_bytes: int) -> list[S
     """Steps in one order shared by every process (each runs the steps it belongs to)."""
     steps, cur, cur_key, cur_bytes = [], [], None, 0
     for ti, spec in enumerate(plan.specs):
+        if spec.quant is not None:
+            raise ValueError(f"{plan.names[ti]!r}: block-FP8 destinations (quant=) need the "
+                             f"reshard strategy; gather_broadcast moves whole unquantised tensors")
         if spec.numel == 0:           # nothing to gather or send
             continue
         key = _groups(plan, ti, ep_pid)

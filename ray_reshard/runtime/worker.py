@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..core import quant
 from ..core.overlap import overlapping_pairs, overlaps_itself
 from ..core.plan import Plan
 from ..errors import GroupStateLost
@@ -154,8 +155,10 @@ def install(actor, group_id: str, key, plan: Plan, transfers: Optional[list],
                 shards.append(_Shard(shard, name, spec, spec.slot(ep.side, ep.rank, name),
                                      box.sizes,
                                      spec.source_dtype if ep.side == "src" else spec.dtype))
-    prog = _Program(plan, held, strategy, shards=shards,
-                    storages=tuple(dict.fromkeys(sh.slot.storage for sh in shards)))
+    names = [sh.slot.storage for sh in shards]
+    names += [sh.spec.quant.scale_storage(sh.slot.storage) for sh in shards
+              if sh.key[0] == "dst" and sh.spec.quant is not None]   # block FP8 scales
+    prog = _Program(plan, held, strategy, shards=shards, storages=tuple(dict.fromkeys(names)))
     strat = strategies.STRATEGIES[strategy]
     if strategy == "gather_broadcast":
         prog.gb_steps = strat.install(plan, wg.endpoints, wg.bucket_bytes, wg.ep_pid, wg.pg)
@@ -242,10 +245,16 @@ def _views(actor, wg: _WorkerGroup, prog: _Program) -> tuple[dict, list[str], li
                           f"(elements share memory), so it cannot be written")
             continue
         views[sh.key] = view
+        if side == "dst" and spec.quant is not None:       # block FP8: the scales beside it
+            scales, problem = quant.scale_view(spec, sh.name, rank, storage, wg.device.type)
+            if scales is None:
+                errors.append(f"{where}: {problem}")
+                continue
+            views[(side, rank, ti, quant.SCALE)] = scales
     dst_keys = [k for k in views if k[0] == "dst"]
     if len(dst_keys) > 1:
         for i, j in overlapping_pairs([views[k] for k in dst_keys]):
-            (_, ra, ta), (_, _, tb) = dst_keys[i], dst_keys[j]
+            (ra, ta), tb = dst_keys[i][1:3], dst_keys[j][2]
             errors.append(f"{plan.names[ta]!r} and {plan.names[tb]!r} on dst rank {ra}: their "
                           f"local shards share memory, so one would overwrite the other")
     if errors:
