@@ -740,7 +740,8 @@ class _SpecSet:
     __slots__ = ("items", "hash")
 
     def __init__(self, specs: Mapping[str, TensorSpec]):
-        self.items = tuple(specs.items())
+        with gc_paused():         # tens of thousands of pairs: no collector pass meanwhile
+            self.items = tuple(specs.items())
         self.hash = hash(self.items)
 
     def __hash__(self):
