@@ -251,7 +251,7 @@ def rank_fails_mid_refit(ctx):
     old = s["full"]
     _fill(s["src"], {"w": torch.randn_like(old)}, {"w": s["src_l"]})
     victim = s["src"][1]
-    ray.get(victim.slow_from.remote(2))       # prepare looks its tensors up once, run twice
+    ray.get(victim.slow_from.remote(1))       # each refit looks its tensors up once
     timeout = 60.0
     out: dict = {}
 

@@ -232,6 +232,15 @@ def test_bench_object_store_small(address):
     assert len(rows) == 3 and all(float(x) > 0 for row in rows for x in row)
 
 
+def test_bench_partial_small(address):
+    out = run("-m", "ray_reshard", "bench-partial", "--tensors", "100", "--mb", "4",
+              "--fraction", "0.05", "--repeats", "1", RAY_RESHARD_CLUSTER_ADDRESS=address).stdout
+    full, part, _, first = figure(r"full refit " + NUM + r" s, partial refit " + NUM + r" s \("
+                                  + NUM + r"x less\); first partial refit \(plan \+ install\) "
+                                  + NUM + " s", out)
+    assert full > 0 and part > 0 and first > 0 and "planned: True" in out
+
+
 def test_bench_ring_wakeup_small():
     out = run("-m", "ray_reshard", "bench-ring-wakeup", "--rounds", "20").stdout
     futex = figure(r"futex wake-up\s+" + NUM + r"\s+" + NUM + r"\s+" + NUM, out)

@@ -252,15 +252,26 @@ class TorchPGGroup(BaseGroup):
         if tensor.is_cuda:            # gloo reads host memory only: stage in pinned memory
             host = _host_like(tensor)
             host.copy_(tensor)
-            return Pending(self, self.pg.send([host], peer, 0), keep=host)
-        return Pending(self, self.pg.send([tensor], peer, 0))
+            return Pending(self, self._post(self.pg.send, host, peer, "send"), keep=host)
+        return Pending(self, self._post(self.pg.send, tensor, peer, "send"))
 
     def irecv(self, tensor: torch.Tensor, peer: int) -> Pending:
         if tensor.is_cuda:
             host = _host_like(tensor)
-            return Pending(self, self.pg.recv([host], peer, 0),
+            return Pending(self, self._post(self.pg.recv, host, peer, "recv"),
                            after=lambda: tensor.copy_(host), keep=host)
-        return Pending(self, self.pg.recv([tensor], peer, 0))
+        return Pending(self, self._post(self.pg.recv, tensor, peer, "recv"))
+
+    def _post(self, op, tensor, peer: int, kind: str):
+        """Post one operation; a peer already gone (gloo refuses at once) is a TransportError."""
+        what = f"{kind} {'to' if kind == 'send' else 'from'} process {peer}"
+        self._raise_if_aborted(what)
+        try:
+            return op([tensor], peer, 0)
+        except RuntimeError as e:
+            self._check_store()
+            self._raise_if_aborted(what)
+            raise _transport_error(what, e) from None
 
     def post_group(self, ops: list) -> "PendingGroup":
         """Sends and receives `ops` = [(peer, tensor, sending)] posted together; one handle
