@@ -17,11 +17,12 @@ GB = 1e9
 # tensor per process (view lookups before the rounds), measured on the development machine by
 # `python -m ray_reshard.bench.sim_calibrate` (2-core CPU box; host-side Python costs, which a
 # GPU host pays too, on faster cores).
-MEASURED_ITEM_S = 2.1e-6
-MEASURED_TENSOR_S = 26.3e-6
+MEASURED_ITEM_S = 0.9e-6
+MEASURED_TENSOR_S = 3.5e-6
 # The executor's CPU time per item at real-model scale: the busiest DeepSeek-V3 ranks' compiled
-# programs (about 50k items each) replayed by `python -m ray_reshard bench-replay` (2.8 us per
-# item on the busiest destination, 3.1 us on the busiest source); the GPU cluster presets use it.
+# programs (about 50k items each) replayed by `python -m ray_reshard bench-replay` (2.3 us per
+# item on the busiest destination, 3.3 us on the busiest source, copying the scaled-down bytes
+# on the CPU included); the GPU cluster presets charge 3.1 us.
 REPLAY_ITEM_S = 3.1e-6
 
 
@@ -38,7 +39,7 @@ class Cluster:
     tensor_s: float = MEASURED_TENSOR_S  # per tensor per process taking part (views, checks)
     fabric_Bps: Optional[float] = None
     domain_fabric_Bps: Optional[float] = None
-    refit_overhead_s: float = 5e-3      # driver round trips of one refit (launch, commit)
+    refit_overhead_s: float = 5e-3      # the driver's one call per process of a refit
     copy_Bps: float = 1000 * GB         # staging copies of strided items, per rank
     cpu_cores: Optional[int] = None     # ranks share this many cores (None: each its own)
     broadcast: str = "ring"             # "ring": pipelined (NCCL); "flat": root sends each copy (gloo)
@@ -84,8 +85,8 @@ PRESETS = {
     # This machine's two simulated nodes (every rank shares 2 CPU cores): gloo over loopback as
     # the network, shared-memory rings as the domain links. Figures measured by
     # `python -m ray_reshard.bench.sim_calibrate` (see README); rerun it to refresh them.
-    "local": Cluster("local", 4, 6.11 * GB, 1.14 * GB, latency_s=0.925e-3, fabric_Bps=2.59 * GB,
-                     domain_fabric_Bps=6.11 * GB, refit_overhead_s=22.5e-3, copy_Bps=2.74 * GB,
+    "local": Cluster("local", 4, 6.63 * GB, 1.71 * GB, latency_s=0.385e-3, fabric_Bps=2.98 * GB,
+                     domain_fabric_Bps=6.63 * GB, refit_overhead_s=7.8e-3, copy_Bps=3.06 * GB,
                      cpu_cores=2, broadcast="flat"),
 }
 
