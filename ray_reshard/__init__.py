@@ -5,7 +5,7 @@ The core (`ray_reshard.core`: layouts, planner, statistics) imports no Ray; the 
 """
 from .core import (BlockFP8, Box, DEFAULT_BUCKET_BYTES, Endpoint, Layout, Mesh, Move, Plan,
                    PlanError, PlanStats, Replicate, Shard, Slot, TensorSpec, Topology, assemble,
-                   plan, shard_tensor)
+                   plan, replica_specs, shard_tensor)
 from .errors import RefitError, TransportError, TransportTimeout
 
 __version__ = "0.1.0"

@@ -6,5 +6,6 @@ from .placement import Placement, Replicate, Shard, as_placement
 from .plan import DEFAULT_BUCKET_BYTES, Item, Plan, PlanStats, Schedule, Transfer, plan
 from .planner import DOMAIN, LOCAL, NETWORK, Endpoint, Move, PlanError, TensorPlan, Topology
 from .quant import BlockFP8
+from .replica import replica_specs
 from .slicing import assemble, shard_tensor
 from .spec import Slot, Slots, TensorSpec

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Optional, Sequence
 
+import numpy as np
+
 from .box import Box
 from .mesh import Mesh
 from .placement import Placement, Replicate, Shard, as_placement
@@ -70,6 +72,32 @@ class Layout:
     def from_dtensor(cls, dtensor: Any, rank_map: Optional[Any] = None) -> "Layout":
         """The layout of a DTensor (its device mesh and placements)."""
         return cls.from_device_mesh(dtensor.device_mesh, dtensor.placements, rank_map)
+
+    def replica(self, which: Any) -> "Layout":
+        """The layout of one replica: the sub-mesh at position `which[dim]` of each mesh dim
+        named (or numbered) in `which`, each of which must be replicated. The remaining ranks
+        keep their ids and hold the same boxes as here."""
+        fixed = {}
+        for dim, pos in dict(which).items():
+            i = self.mesh.dim_index(dim)
+            if not isinstance(self.placements[i], Replicate):
+                raise ValueError(f"mesh dim {self.mesh.dim_names[i]!r} is {self.placements[i]}, "
+                                 f"not Replicate: its positions are not replicas")
+            if isinstance(pos, bool) or not isinstance(pos, int) or \
+                    not 0 <= pos < self.mesh.shape[i]:
+                raise ValueError(f"replica position {pos!r} on mesh dim "
+                                 f"{self.mesh.dim_names[i]!r} must be an int in "
+                                 f"0..{self.mesh.shape[i] - 1}")
+            fixed[i] = pos
+        if not fixed:
+            raise ValueError("name at least one replicated mesh dim and its position")
+        keep = [i for i in range(self.mesh.ndim) if i not in fixed]
+        grid = np.asarray(self.mesh.ranks, dtype=object).reshape(self.mesh.shape)
+        grid = grid[tuple(fixed.get(i, slice(None)) for i in range(self.mesh.ndim))]
+        if not keep:                                  # one rank holds the whole replica
+            return Layout(Mesh([int(grid)]), (Replicate(),))
+        return Layout(Mesh(grid.tolist(), [self.mesh.dim_names[i] for i in keep]),
+                      [self.placements[i] for i in keep])
 
     def validate_for(self, shape: Sequence[int], what: str = "tensor") -> None:
         """Raise if this layout cannot lay out a tensor of `shape`."""
