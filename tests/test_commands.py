@@ -232,6 +232,7 @@ def test_bench_object_store_small(address):
     assert len(rows) == 3 and all(float(x) > 0 for row in rows for x in row)
 
 
+@pytest.mark.slow
 def test_bench_partial_small(address):
     out = run("-m", "ray_reshard", "bench-partial", "--tensors", "100", "--mb", "4",
               "--fraction", "0.05", "--repeats", "1", RAY_RESHARD_CLUSTER_ADDRESS=address).stdout

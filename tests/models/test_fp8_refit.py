@@ -197,6 +197,7 @@ def test_bench_fp8_command_small_mode():
     assert "bit-exact against the reference: yes" in out
 
 
+@pytest.mark.slow
 def test_fp8_items_as_single_messages_on_ray(cluster):
     """Items of 64 KiB and more travel as one message each (staged: quantised on the way out,
     weights and scales unpacked on the way in; a fallback tensor widened), forwarded to the

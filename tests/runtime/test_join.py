@@ -2,6 +2,7 @@
 then the group grows to include it with update()."""
 from __future__ import annotations
 
+import pytest
 import ray
 import torch
 
@@ -44,6 +45,7 @@ def exact(actors, specs, fulls, ranks):
                for i, r in enumerate(ranks) for n, s in specs.items())
 
 
+@pytest.mark.slow
 def test_new_engine_joins_from_a_replica_then_the_group_grows(cluster):
     trainers, engines, new = holders(2, 0), holders(4, 1), holders(2, 1)
     specs = specs_for(2)
