@@ -299,11 +299,19 @@ class TorchPGGroup(BaseGroup):
         Ballots must be cast in the same order everywhere; each member clears its key of the
         previous ballot (every member has passed it by the time this one completes)."""
         store = self._gstore
-        if not ok:
-            store.add(f"{name}/no", 1)
-        store_barrier(store, name, self.rank, self.world_size, deadline,
-                      f"refit check ({name})", self._raise_if_aborted)
-        refused = store.add(f"{name}/no", 0)
+        what = f"refit check ({name})"
+        try:
+            if not ok:
+                store.add(f"{name}/no", 1)
+            store_barrier(store, name, self.rank, self.world_size, deadline, what,
+                          self._raise_if_aborted)
+            refused = store.add(f"{name}/no", 0)
+        except TransportError:
+            raise
+        except Exception as e:            # the store's host (process 0) is gone
+            self._raise_if_aborted(what)
+            raise TransportError(f"{what}: the group's store (hosted by process 0) failed: "
+                                 f"{_cause(e)}") from None
         last, self._last_vote = getattr(self, "_last_vote", None), name
         if last is not None:
             try:
