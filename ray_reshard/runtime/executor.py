@@ -242,4 +242,4 @@ def _packed_network(s) -> bool:
 def transports(wg, window: Optional[int] = None) -> Transports:
     """The channels of a process's group membership (process group, rings, device)."""
     return Transports(NetChannel(wg.pg), RingChannel(wg.rings_out, wg.rings_in), wg.device,
-                      window or getattr(wg, "window", None) or default_window(wg.bucket_bytes))
+                      window or wg.window or default_window(wg.bucket_bytes))

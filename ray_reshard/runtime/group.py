@@ -121,7 +121,7 @@ class ReshardGroup:
         self._version = 0
         self._infos: dict = {}          # actor id -> where it runs (kept across update())
         self._helpers: dict = {}
-        self._procs: list = []
+        self.members: Optional[Members] = None
         self.group_id = None
         try:
             self._bind(src_actors, dst_actors)
@@ -130,12 +130,16 @@ class ReshardGroup:
             self.close()
             raise
 
+    @property
+    def _procs(self) -> tuple:
+        """Process index -> its actor (see `membership.Members`)."""
+        return self.members.procs if self.members is not None else ()
+
     # ---------------------------------------------------------------- set-up
     def _bind(self, src_actors, dst_actors) -> None:
         """Take new actor lists: process numbering, fresh group id and per-group caches."""
         self.members = Members.of(src_actors, dst_actors)
         self.src_actors, self.dst_actors = list(src_actors), list(dst_actors)
-        self._procs, self._ep_pid = list(self.members.procs), self.members.proc_of
         self.group_id = uuid.uuid4().hex
         self._broken: Optional[str] = None
         self._hung: set = set()         # processes that missed a deadline (maybe still busy)
@@ -170,7 +174,7 @@ class ReshardGroup:
         self.group_name = f"rr-{self.group_id[:16]}"
         world = len(self._procs)
         refs = [a.__ray_call__.remote(worker.setup, self.group_id, self.group_name, world, p,
-                                      backend, self._ep_pid, infos[p]["device"], self._tensors_fn,
+                                      backend, self.members.proc_of, infos[p]["device"], self._tensors_fn,
                                       self.bucket_bytes, self.setup_timeout_s, self._version,
                                       self.window)
                 for p, a in enumerate(self._procs)]
@@ -594,7 +598,8 @@ class ReshardGroup:
         ceiling a refit of the same actors can reach, measured the same way.
         """
         if pairs is None:
-            pairs = [(self._ep_pid[Endpoint("src", i)], self._ep_pid[Endpoint("dst", i)])
+            proc_of = self.members.proc_of
+            pairs = [(proc_of[Endpoint("src", i)], proc_of[Endpoint("dst", i)])
                      for i in range(min(len(self.src_actors), len(self.dst_actors)))]
             pairs = [(s, d) for s, d in pairs if s != d]
         sends: dict = {}

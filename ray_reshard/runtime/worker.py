@@ -319,15 +319,15 @@ def run(actor, group_id: str, key, timeout_s: float, version: int, atomic: bool 
     try:
         prog = wg.programs[key]
         views, errors, aliased, token = _check(actor, wg, prog)
+        t_checked = time.perf_counter()
+        clock = {"check": t_checked - t0}
         if vote is not None:
-            t_vote = time.perf_counter()
             refused = wg.pg.vote(vote, not errors, deadline)
-            t_vote = time.perf_counter() - t_vote
+            clock["vote"] = time.perf_counter() - t_checked
             if refused:
                 return {"refused": errors, "pid": wg.pid}
         elif errors:
             raise ValueError("; ".join(errors))
-        t_checked = time.perf_counter() - t0
         extra = aliased_bytes = 0
         if captured is not None:          # an overlapped refit: send what capture() copied
             if captured[0] != key:
@@ -365,9 +365,7 @@ def run(actor, group_id: str, key, timeout_s: float, version: int, atomic: bool 
     stats["pid"] = wg.pid
     stats["extra_bytes"] = extra
     stats["aliased_bytes"] = aliased_bytes
-    stats.setdefault("clock", {})["check"] = t_checked - (t_vote if vote is not None else 0.0)
-    if vote is not None:
-        stats["clock"]["vote"] = t_vote
+    stats.setdefault("clock", {}).update(clock)
     return stats
 
 
