@@ -3,9 +3,9 @@
 The core (`ray_reshard.core`: layouts, planner, statistics) imports no Ray; the runtime
 (`ReshardGroup`) and the model recipes (`ray_reshard.models`) load on first use.
 """
-from .core import (BlockFP8, Box, DEFAULT_BUCKET_BYTES, Endpoint, Layout, Mesh, Move, Plan,
-                   PlanError, PlanStats, Replicate, Shard, Slot, TensorSpec, Topology, assemble,
-                   plan, replica_specs, shard_tensor)
+from .core import (BlockFP8, Box, DEFAULT_BUCKET_BYTES, Endpoint, Layout, LayoutUnion, Mesh,
+                   Move, Plan, PlanError, PlanStats, Replicate, Shard, Slot, TensorSpec, Topology,
+                   assemble, combine_destinations, plan, replica_specs, shard_tensor)
 from .errors import RefitError, TransportError, TransportTimeout
 
 __version__ = "0.1.0"

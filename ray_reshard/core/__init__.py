@@ -1,6 +1,7 @@
 """The pure core: layouts, the planner and plan statistics. Imports no Ray."""
 from .box import Box
-from .layout import Layout
+from .destinations import combine_destinations
+from .layout import Layout, LayoutUnion
 from .mesh import Mesh
 from .placement import Placement, Replicate, Shard, as_placement
 from .plan import DEFAULT_BUCKET_BYTES, Item, Plan, PlanStats, Schedule, Transfer, plan

@@ -154,6 +154,92 @@ class Layout:
         return f"Layout({pl}; ranks {list(self.mesh.ranks)} as {self.mesh.shape})"
 
 
+@dataclass(frozen=True, init=False)
+class LayoutUnion:
+    """One tensor laid out by several groups of ranks at once, each with its own `Layout`
+    (prefill engines in TP8 on ranks 0-7 and decode engines in TP2 x DP4 on ranks 8-15).
+
+    Destination side only. The parts cover disjoint ranks; every rank holds its part's box.
+    The planner treats the union as one destination: a region crosses into an NVLink domain
+    once for all the groups' ranks there. `mesh` is one dim over the parts' ranks, part by
+    part, each in its own mesh order.
+    """
+
+    parts: tuple[Layout, ...]
+    mesh: Mesh
+
+    def __init__(self, parts: Sequence[Layout]):
+        parts = tuple(parts)
+        if not parts:
+            raise ValueError("LayoutUnion needs at least one Layout")
+        owner: dict[int, int] = {}
+        for i, lay in enumerate(parts):
+            if not isinstance(lay, Layout):
+                raise TypeError(f"LayoutUnion part {i} must be a Layout, got "
+                                f"{type(lay).__name__}")
+            for r in lay.mesh.ranks:
+                j = owner.setdefault(r, i)
+                if j != i:
+                    raise ValueError(f"LayoutUnion parts {j} and {i} both use rank {r}: each "
+                                     f"group needs its own ranks (offset one group's ranks "
+                                     f"past the other's)")
+        object.__setattr__(self, "parts", parts)
+        object.__setattr__(self, "mesh", Mesh([r for lay in parts for r in lay.mesh.ranks],
+                                              ("rank",)))
+        object.__setattr__(self, "_part_of", owner)
+
+    def part_of(self, rank: int) -> Optional[Layout]:
+        """The part whose mesh holds `rank`, or None."""
+        i = self._part_of.get(rank)
+        return None if i is None else self.parts[i]
+
+    def validate_for(self, shape: Sequence[int], what: str = "tensor") -> None:
+        for i, lay in enumerate(self.parts):
+            lay.validate_for(shape, f"{what}, group {i}")
+
+    def box(self, rank: int, shape: Sequence[int]) -> Optional[Box]:
+        lay = self.part_of(rank)
+        return None if lay is None else lay.box(rank, shape)
+
+    def local_shape(self, rank: int, shape: Sequence[int]) -> Optional[tuple[int, ...]]:
+        b = self.box(rank, shape)
+        return None if b is None else b.sizes
+
+    def boxes(self, shape: Sequence[int]) -> dict[int, Box]:
+        return dict(_boxes(self, tuple(shape)))
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return self.mesh.ranks
+
+    def replica(self, which: Any) -> Layout:
+        raise ValueError("a LayoutUnion has no single replica structure: take the replica "
+                         "from one of its parts (union.parts[i].replica(...))")
+
+    def __hash__(self):
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(("union", self.parts))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __eq__(self, other):
+        if self is other:
+            return True
+        if not isinstance(other, LayoutUnion):
+            return NotImplemented
+        return self.parts == other.parts
+
+    def __getstate__(self):
+        return {"parts": self.parts}
+
+    def __setstate__(self, state):
+        self.__init__(state["parts"])
+
+    def __repr__(self) -> str:
+        return "LayoutUnion(" + ", ".join(map(repr, self.parts)) + ")"
+
+
 def _extent_before(layout: Layout, shape, mesh_dim: int, tdim: int) -> int:
     """Extent of tensor dim `tdim` left to split when mesh dim `mesh_dim` applies (upper bound)."""
     n = shape[tdim]
@@ -167,11 +253,16 @@ def _extent_before(layout: Layout, shape, mesh_dim: int, tdim: int) -> int:
 @lru_cache(maxsize=1 << 12)
 def _boxes(layout: Layout, shape: tuple[int, ...]) -> tuple[tuple[int, Box], ...]:
     """(rank, box) of every rank of the mesh, in mesh order. Cached; do not mutate."""
+    if type(layout) is LayoutUnion:
+        return tuple(rb for part in layout.parts for rb in _boxes(part, shape))
     return tuple((r, _box(layout, r, shape)) for r in layout.mesh.ranks)
 
 
 @lru_cache(maxsize=1 << 16)
 def _box(layout: Layout, rank: int, shape: tuple[int, ...]) -> Optional[Box]:
+    if type(layout) is LayoutUnion:
+        part = layout.part_of(rank)
+        return None if part is None else _box(part, rank, shape)
     coords = layout.mesh.coords(rank)
     if coords is None:
         return None

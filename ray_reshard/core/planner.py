@@ -14,7 +14,7 @@ from typing import Any, Hashable, Mapping, Sequence
 import numpy as np
 
 from .box import Box
-from .layout import Layout, _boxes
+from .layout import Layout, LayoutUnion, _boxes
 from .mesh import Mesh
 
 LOCAL, DOMAIN, NETWORK = "local", "domain", "network"
@@ -386,11 +386,20 @@ def plan_tensor(spec_signature: tuple, topo: Topology, rotation: int = 0) -> Ten
     shape, itemsize, src_layout, dst_layout = spec_signature
     sranks, dranks = src_layout.mesh.ranks, dst_layout.mesh.ranks
     canon_topo = _canonical_topology(src_layout.mesh, dst_layout.mesh, topo)
-    canon = _canonical_plan(shape, itemsize, src_layout.mesh.shape, src_layout.placements,
-                            dst_layout.mesh.shape, dst_layout.placements, canon_topo,
+    canon = _canonical_plan(shape, itemsize, *_layout_key(src_layout), *_layout_key(dst_layout),
+                            canon_topo,
                             rotation % _rotations_of(shape, itemsize, src_layout, dst_layout,
                                                      canon_topo) if rotation else 0)
     return _rename(canon, sranks, dranks)
+
+
+def _layout_key(layout) -> tuple:
+    """(mesh shape, placements) of a layout, rank ids left out; for a LayoutUnion, each
+    part's, tagged "union" (its canonical parts take consecutive positions, part by part)."""
+    if type(layout) is LayoutUnion:
+        return (("union",) + tuple([p.mesh.shape for p in layout.parts]),
+                tuple([p.placements for p in layout.parts]))
+    return layout.mesh.shape, layout.placements
 
 
 def plan_tensor_direct(spec_signature: tuple, topo: Topology, rotation: int = 0) -> TensorPlan:
@@ -412,8 +421,8 @@ def plan_tensor_direct(spec_signature: tuple, topo: Topology, rotation: int = 0)
 
 
 def _rotations_of(shape, itemsize, src_layout, dst_layout, canon_topo) -> int:
-    return _canonical_plan(shape, itemsize, src_layout.mesh.shape, src_layout.placements,
-                           dst_layout.mesh.shape, dst_layout.placements, canon_topo, 0).rotations
+    return _canonical_plan(shape, itemsize, *_layout_key(src_layout), *_layout_key(dst_layout),
+                           canon_topo, 0).rotations
 
 
 def _canonical_topology(src_mesh: Mesh, dst_mesh: Mesh, topo: Topology) -> Topology:
@@ -463,7 +472,13 @@ def _check_ranks(side: str, ranks: Sequence[int], n: int) -> None:
 
 
 @lru_cache(maxsize=256)
-def _canonical_layout(mesh_shape: tuple[int, ...], placements: tuple) -> Layout:
+def _canonical_layout(mesh_shape: tuple, placements: tuple):
+    if mesh_shape and mesh_shape[0] == "union":
+        parts, start = [], 0
+        for shape, pls in zip(mesh_shape[1:], placements):
+            parts.append(Layout(Mesh.from_shape(shape, start=start), pls))
+            start += parts[-1].mesh.size
+        return LayoutUnion(parts)
     return Layout(Mesh.from_shape(mesh_shape), placements)
 
 
@@ -571,6 +586,10 @@ def _plan_moves(shape, itemsize, src_layout: Layout, dst_layout: Layout, topo: T
     """
     src_classes = _classes(_boxes(src_layout, shape))
     dst_classes = _classes(_boxes(dst_layout, shape))
+    # Domains whose ranks hold different but overlapping boxes (only destination groups of a
+    # LayoutUnion do): planned cell by cell after the others, below.
+    mixed = (_mixed_domains(dst_classes, topo.dst_domains)
+             if type(dst_layout) is LayoutUnion else {})
     sdom, ddom, sdev, ddev = topo.src_domains, topo.dst_domains, topo.src_devices, topo.dst_devices
     load: dict[int, int] = defaultdict(int)
     moves: list[Move] = []
@@ -604,6 +623,22 @@ def _plan_moves(shape, itemsize, src_layout: Layout, dst_layout: Layout, topo: T
             near.setdefault(sdom[h], []).append(h)
         src_by_domain.append(near)
 
+    def far(rs: list, x: Box, holders: Sequence[int], n_pieces: int) -> None:
+        """`x` into one far domain whose ranks `rs` all need it: a piece to each over the
+        network (several source replicas share a large piece), which it forwards to the rest."""
+        for receiver, piece in zip(rs, x.split(len(rs))):
+            pbytes = piece.numel * itemsize
+            fan = len(holders) // n_pieces if pbytes >= SPLIT_OVER_REPLICAS_BYTES else 1
+            for sub in piece.split(max(1, fan)):
+                h = pick(holders)
+                load[h] += sub.numel * itemsize
+                moves.append(_move(sep(h), receiver, sub, NETWORK))
+                rep = dep(receiver)
+                for other in rs:
+                    if other != receiver:
+                        path = LOCAL if ddev[other] == ddev[receiver] else DOMAIN
+                        moves.append(_move(rep, other, sub, path))
+
     for dbox, replicas in dst_classes:
         by_domain: dict[Any, list[int]] = {}
         for r in replicas:
@@ -617,7 +652,8 @@ def _plan_moves(shape, itemsize, src_layout: Layout, dst_layout: Layout, topo: T
             for dom, rs in by_domain.items():
                 near = near_of.get(dom)
                 if not near:
-                    far_domains.append(rs)
+                    if dom not in mixed:
+                        far_domains.append(rs)
                     continue
                 for r in rs:
                     same = [h for h in near if sdev[h] == ddev[r]]
@@ -629,21 +665,17 @@ def _plan_moves(shape, itemsize, src_layout: Layout, dst_layout: Layout, topo: T
                         moves.append(_move(sep(h), r, x, DOMAIN))
             if not far_domains:
                 continue
-            splits = [x.split(len(rs)) for rs in far_domains]
-            n_pieces = sum(len(s) for s in splits)
-            for rs, pieces in zip(far_domains, splits):
-                for receiver, piece in zip(rs, pieces):
-                    pbytes = piece.numel * itemsize
-                    fan = len(holders) // n_pieces if pbytes >= SPLIT_OVER_REPLICAS_BYTES else 1
-                    for sub in piece.split(max(1, fan)):
-                        h = pick(holders)
-                        load[h] += sub.numel * itemsize
-                        moves.append(_move(sep(h), receiver, sub, NETWORK))
-                        rep = dep(receiver)
-                        for other in rs:
-                            if other != receiver:
-                                path = LOCAL if ddev[other] == ddev[receiver] else DOMAIN
-                                moves.append(_move(rep, other, sub, path))
+            n_pieces = sum(len(x.split(len(rs))) for rs in far_domains)
+            for rs in far_domains:
+                far(rs, x, holders, n_pieces)
+    for dom, ranks in mixed.items():
+        for (sbox, holders), near_of in zip(src_classes, src_by_domain):
+            if near_of.get(dom):
+                continue
+            xs = [(r, x) for r, x in ((r, b.intersect(sbox)) for r, b in ranks) if x is not None]
+            for cell in _cells([x for _, x in xs]):
+                needers = [r for r, x in xs if x.contains(cell)]
+                far(needers, cell, holders, len(needers))
     rotations = 1
     for _, holders in src_classes:
         used = sum(1 for h in holders if h in picked)
@@ -654,6 +686,56 @@ def _plan_moves(shape, itemsize, src_layout: Layout, dst_layout: Layout, topo: T
 
 class PlanError(ValueError):
     """The planner found the plan inconsistent (a bug or an impossible layout)."""
+
+
+def _mixed_domains(dst_classes, ddom) -> dict:
+    """Domain -> its ranks' (rank, box) pairs, for each domain where two ranks hold different
+    boxes that overlap."""
+    by_domain: dict = {}
+    for box, ranks in dst_classes:
+        for r in ranks:
+            by_domain.setdefault(ddom[r], {}).setdefault(box, []).append(r)
+    out = {}
+    for dom, held in by_domain.items():
+        boxes = list(held)
+        if any(a.intersect(b) is not None for i, a in enumerate(boxes) for b in boxes[i + 1:]):
+            out[dom] = sorted((r, b) for b, rs in held.items() for r in rs)
+    return out
+
+
+def _cells(boxes: Sequence[Box]) -> list[Box]:
+    """The union of `boxes` cut on every box's boundaries: disjoint boxes, each inside every
+    box it meets, merged along the last dim where they lie inside the same boxes."""
+    if not boxes:
+        return []
+    ndim = boxes[0].ndim
+    cuts = [sorted({v for b in boxes for v in (b.offsets[d], b.offsets[d] + b.sizes[d])})
+            for d in range(ndim)]
+    out: list[Box] = []
+
+    def walk(d: int, offs: tuple, sizes: tuple, inside: tuple) -> None:
+        if d == ndim:
+            out.append(Box(offs, sizes))
+            return
+        run = None                   # a run of cells along dim d inside the same boxes
+        for lo, hi in zip(cuts[d], cuts[d][1:]):
+            now = tuple(i for i in inside
+                        if boxes[i].offsets[d] <= lo and hi <= boxes[i].offsets[d] + boxes[i].sizes[d])
+            if d < ndim - 1:
+                if now:
+                    walk(d + 1, offs + (lo,), sizes + (hi - lo,), now)
+                continue
+            if run is not None and run[2] == now and run[1] == lo:
+                run = (run[0], hi, now)
+                continue
+            if run is not None and run[2]:
+                out.append(Box(offs + (run[0],), sizes + (run[1] - run[0],)))
+            run = (lo, hi, now)
+        if run is not None and run[2]:
+            out.append(Box(offs + (run[0],), sizes + (run[1] - run[0],)))
+
+    walk(0, (), (), tuple(range(len(boxes))))
+    return out
 
 
 def _verify_cover(shape, dst_layout, moves: Sequence[Move]) -> None:

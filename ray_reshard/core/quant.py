@@ -46,7 +46,7 @@ from typing import Optional, Sequence
 import torch
 
 from .box import Box
-from .layout import Layout
+from .layout import Layout, LayoutUnion
 from .placement import Shard
 
 FP8 = torch.float8_e4m3fn
@@ -140,6 +140,9 @@ def misaligned(layout: Layout, shape, block) -> Optional[tuple[int, Box]]:
 def block_layout(layout: Layout, shape: tuple, block: tuple) -> Optional[Layout]:
     """`layout` in block units (every rank holds the blocks of its shard), or None when some
     rank's shard is not a union of whole blocks (or block units cannot express the layout)."""
+    if type(layout) is LayoutUnion:
+        parts = [block_layout(p, shape, block) for p in layout.parts]
+        return None if None in parts else LayoutUnion(parts)
     if misaligned(layout, shape, block) is not None:
         return None
     pls = []

@@ -10,7 +10,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from .layout import Layout
+from .layout import Layout, LayoutUnion
 
 
 @dataclass(frozen=True)
@@ -230,7 +230,8 @@ def _freeze_slots(slots) -> Optional[Slots]:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """A logical tensor: global `shape`, destination `dtype`, and its source/destination layouts.
+    """A logical tensor: global `shape`, destination `dtype`, and its source/destination layouts
+    (`dst` may be a `LayoutUnion`: several destination groups, each with its own layout).
 
     `src_dtype` is the dtype the sources hold (default: `dtype`); senders convert, so only
     destination-dtype bytes move. `src_slots` / `dst_slots` map a rank to a `Slot` when the rank
@@ -244,7 +245,7 @@ class TensorSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype
     src: Layout
-    dst: Layout
+    dst: Layout | LayoutUnion
     src_dtype: Optional[torch.dtype] = None
     src_slots: Optional[Slots] = field(default=None)
     dst_slots: Optional[Slots] = field(default=None)
@@ -272,9 +273,12 @@ class TensorSpec:
             raise ValueError(f"torch cannot copy tensors {what} (no copy kernel), so no refit "
                              f"can move them; use a dtype torch converts (e.g. convert on the "
                              f"trainer first)")
-        for side in ("src", "dst"):
-            if not isinstance(getattr(self, side), Layout):
-                raise TypeError(f"{side} must be a Layout, got {type(getattr(self, side)).__name__}")
+        if not isinstance(self.src, Layout):
+            hint = (" (several destination groups take a LayoutUnion as dst; sources take one "
+                    "Layout)" if isinstance(self.src, LayoutUnion) else "")
+            raise TypeError(f"src must be a Layout, got {type(self.src).__name__}{hint}")
+        if not isinstance(self.dst, (Layout, LayoutUnion)):
+            raise TypeError(f"dst must be a Layout or LayoutUnion, got {type(self.dst).__name__}")
         object.__setattr__(self, "src_slots", _freeze_slots(self.src_slots))
         object.__setattr__(self, "dst_slots", _freeze_slots(self.dst_slots))
         if self.quant is not None:

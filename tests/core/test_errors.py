@@ -135,7 +135,7 @@ def test_spec_field_types():
         spec(src_dtype="fp32")
     with pytest.raises(TypeError, match=r"src must be a Layout, got Mesh"):
         TensorSpec((8, 4), BF16, Mesh([0, 1]), Layout.sharded([0], 0))
-    with pytest.raises(TypeError, match=r"dst must be a Layout, got NoneType"):
+    with pytest.raises(TypeError, match=r"dst must be a Layout or LayoutUnion, got NoneType"):
         TensorSpec((8, 4), BF16, Layout.sharded([0], 0), None)
     with pytest.raises(TypeError, match=r"slot for rank 0 must be a Slot, got str"):
         spec(dst_slots={0: "qkv"})
