@@ -242,6 +242,20 @@ def test_bench_partial_small(address):
     assert full > 0 and part > 0 and first > 0 and "planned: True" in out
 
 
+@pytest.mark.slow
+def test_bench_groups_small(address):
+    out = run("-m", "ray_reshard", "bench-groups", "--local-mb", "4", "--repeats", "1",
+              RAY_RESHARD_CLUSTER_ADDRESS=address).stdout
+    shared = figure(r"shared nodes\s+" + "\\s+".join([NUM] * 6), out)
+    own = figure(r"nodes of their own\s+" + "\\s+".join([NUM] * 6), out)
+    for together, apart, bound, _, sim_together, sim_apart in (shared, own):
+        assert together == bound > 0 and apart >= together and sim_apart > 0
+    assert abs(shared[1] - 2 * shared[0]) <= 0.02 and shared[4] < shared[5]
+    one, mb = figure(r"one call for both groups: " + NUM + r" s, " + NUM, out)
+    two, mb_apart = figure(r"one call per group:\s+" + NUM + r" s, " + NUM, out)
+    assert one > 0 and two > 0 and mb > 0 and abs(mb_apart - 2 * mb) <= 0.2
+
+
 def test_bench_ring_wakeup_small():
     out = run("-m", "ray_reshard", "bench-ring-wakeup", "--rounds", "20").stdout
     futex = figure(r"futex wake-up\s+" + NUM + r"\s+" + NUM + r"\s+" + NUM, out)
