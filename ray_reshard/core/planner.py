@@ -6,6 +6,7 @@ destination rank over one path. Tensors with equal signatures share one cached `
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from functools import lru_cache
@@ -22,6 +23,11 @@ PATHS = (LOCAL, DOMAIN, NETWORK)
 
 # Pieces at least this large are split over several source replicas to spread the send load.
 SPLIT_OVER_REPLICAS_BYTES = 256 * 1024
+# A region smaller than this crosses into a domain whole, to one of the ranks there that need
+# it (which one rotates across the tensors laid out alike), instead of split over all of them:
+# splitting over k ranks costs k network items and k * (k - 1) forwarded ones per region, and
+# at model scale those items, not the bytes, set the time.
+WHOLE_BELOW_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -229,7 +235,8 @@ class TensorPlan:
 
     @property
     def rotations(self) -> int:
-        """How many tie-break rotations give different source choices (1: no choice left)."""
+        """How many rotations give different choices of source replica or receiving rank (1: no
+        choice left)."""
         return self._rotations
 
     @property
@@ -581,8 +588,9 @@ def _plan_moves(shape, itemsize, src_layout: Layout, dst_layout: Layout, topo: T
                 rotation: int = 0) -> tuple[tuple[Move, ...], int]:
     """The moves: exact intersections, balanced replica choice, one network copy per domain.
 
-    Also returns how many rotations of the tie-break give different plans: 1 when every
-    replica of every source class that sends anything sends some of it.
+    Also returns how many rotations give different plans: the tie-break among source replicas
+    (1 when every replica of every source class that sends anything sends some of it) and,
+    for regions that cross into a domain whole, which of its ranks receives them.
     """
     src_classes = _classes(_boxes(src_layout, shape))
     dst_classes = _classes(_boxes(dst_layout, shape))
@@ -623,10 +631,20 @@ def _plan_moves(shape, itemsize, src_layout: Layout, dst_layout: Layout, topo: T
             near.setdefault(sdom[h], []).append(h)
         src_by_domain.append(near)
 
+    whole_at: set = set()       # sizes of the rank lists that took a region whole
+
+    def pieces(rs: list, x: Box) -> list:
+        """(receiver, piece) pairs of `x` into one far domain whose ranks `rs` all need it."""
+        if len(rs) > 1 and x.numel * itemsize < WHOLE_BELOW_BYTES:
+            whole_at.add(len(rs))
+            return [(rs[rotation % len(rs)], x)]
+        return list(zip(rs, x.split(len(rs))))
+
     def far(rs: list, x: Box, holders: Sequence[int], n_pieces: int) -> None:
-        """`x` into one far domain whose ranks `rs` all need it: a piece to each over the
-        network (several source replicas share a large piece), which it forwards to the rest."""
-        for receiver, piece in zip(rs, x.split(len(rs))):
+        """`x` into one far domain whose ranks `rs` all need it: each piece to one of them
+        over the network (several source replicas share a large piece), which forwards it to
+        the rest."""
+        for receiver, piece in pieces(rs, x):
             pbytes = piece.numel * itemsize
             fan = len(holders) // n_pieces if pbytes >= SPLIT_OVER_REPLICAS_BYTES else 1
             for sub in piece.split(max(1, fan)):
@@ -665,7 +683,7 @@ def _plan_moves(shape, itemsize, src_layout: Layout, dst_layout: Layout, topo: T
                         moves.append(_move(sep(h), r, x, DOMAIN))
             if not far_domains:
                 continue
-            n_pieces = sum(len(x.split(len(rs))) for rs in far_domains)
+            n_pieces = sum(len(pieces(rs, x)) for rs in far_domains)
             for rs in far_domains:
                 far(rs, x, holders, n_pieces)
     for dom, ranks in mixed.items():
@@ -675,12 +693,14 @@ def _plan_moves(shape, itemsize, src_layout: Layout, dst_layout: Layout, topo: T
             xs = [(r, x) for r, x in ((r, b.intersect(sbox)) for r, b in ranks) if x is not None]
             for cell in _cells([x for _, x in xs]):
                 needers = [r for r, x in xs if x.contains(cell)]
-                far(needers, cell, holders, len(needers))
+                far(needers, cell, holders, len(pieces(needers, cell)))
     rotations = 1
     for _, holders in src_classes:
         used = sum(1 for h in holders if h in picked)
         if 0 < used < len(holders):
             rotations = max(rotations, len(holders))
+    for k in whole_at:
+        rotations = math.lcm(rotations, k)
     return tuple(moves), rotations
 
 

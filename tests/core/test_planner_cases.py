@@ -152,25 +152,45 @@ def test_rows_to_columns_8x8():
     assert dict(p.recv_bytes_by_rank) == {j: 64 for j in range(4)}
 
 
-def _tp4_to_tp2_dp2(**topo):
+def _tp4_to_tp2_dp2(shape=(8, 16), n=1, **topo):
     src = Layout.sharded([0, 1, 2, 3], 0)                                       # TP4
     dst = Layout(Mesh([[0, 1], [2, 3]], ("dp", "tp")), [Replicate(), Shard(0)])   # TP2 x DP2
-    spec = TensorSpec((8, 16), F32, src, dst)
-    return run({"w": spec}, 4, 4, **topo), spec
+    spec = TensorSpec(shape, F32, src, dst)
+    return run({f"w{i}": spec for i in range(n)}, 4, 4, **topo), spec
 
 
 def test_tp4_to_tp2xdp2_one_domain_sends_each_byte_once():
-    p, spec = _tp4_to_tp2_dp2(src_domains=list("abcd"), dst_domains=["D"] * 4)
+    # Small tensors cross into the domain whole, to one replica, which forwards them to the
+    # other; which replica receives rotates across the tensors laid out alike.
+    p, spec = _tp4_to_tp2_dp2(n=2, src_domains=list("abcd"), dst_domains=["D"] * 4)
+    st = p.stats
+    assert st.network_bytes == st.min_network_bytes == 2 * spec.nbytes
+    shard = spec.nbytes // 2                          # each destination holds half the tensor
+    for i, tp in enumerate(p.tensor_plans):
+        receivers = {m.dst for m in tp.moves if m.path == NETWORK}
+        assert receivers == ({0, 1} if i == 0 else {2, 3})
+        for m in tp.moves:
+            if m.path == DOMAIN:
+                assert m.src.side == "dst" and m.src.rank in receivers and \
+                    {m.src.rank, m.dst} in ({0, 2}, {1, 3})
+    assert p.recv_bytes_by_rank == {j: shard for j in range(4)}
+    assert st.domain_bytes == 2 * 2 * shard
+    # Every source shard crosses the network exactly once per tensor
+    assert p.send_bytes_by_rank == {i: 2 * spec.nbytes // 4 for i in range(4)}
+
+
+def test_tp4_to_tp2xdp2_one_domain_splits_large_regions_over_the_replicas():
+    p, spec = _tp4_to_tp2_dp2(shape=(4096, 1024), src_domains=list("abcd"),
+                              dst_domains=["D"] * 4)
     st = p.stats
     assert st.network_bytes == st.min_network_bytes == spec.nbytes
-    shard = spec.nbytes // 2                          # each destination holds half the tensor
+    shard = spec.nbytes // 2
     # Each destination gets half its shard over the network, half from its replica over NVLink
     assert p.recv_bytes_by_rank == {j: shard // 2 for j in range(4)}
     assert st.domain_bytes == 4 * (shard // 2)
     for m in p.tensor_plans[0].moves:
         if m.path == DOMAIN:
             assert m.src.side == "dst" and {m.src.rank, m.dst} in ({0, 2}, {1, 3})
-    # Every source shard crosses the network exactly once
     assert p.send_bytes_by_rank == {i: spec.nbytes // 4 for i in range(4)}
 
 
