@@ -189,8 +189,41 @@ def train_arg(text: str):
     return layout_arg(text, "megatron")
 
 
+@dataclass(frozen=True)
+class EngineGroups:
+    """Several inference groups fed in one refit (`--infer vllm:tp=4,dp=4+vllm:tp=2,dp=8`):
+    their ranks follow one another, group by group."""
+
+    groups: tuple
+
+    @property
+    def world(self) -> int:
+        return sum(g.world for g in self.groups)
+
+    def __str__(self) -> str:
+        return " + ".join(map(str, self.groups))
+
+
 def infer_arg(text: str):
-    return layout_arg(text, "vllm")
+    """One vLLM layout, or several joined by `+` (destination groups in one refit)."""
+    parts = [p for p in text.split("+")]
+    if len(parts) == 1:
+        return layout_arg(text, "vllm")
+    return EngineGroups(tuple(layout_arg(p, "vllm") for p in parts))
+
+
+def recipe_specs(config: dict, train, infer, dtype, hf_experts: str = "auto") -> dict:
+    """The recipe's specs; for `EngineGroups`, each group's joined with
+    `combine_destinations` (group ranks in order)."""
+    from .models import Recipe
+
+    if isinstance(infer, EngineGroups):
+        from .core.destinations import combine_destinations
+
+        return combine_destinations(
+            [Recipe(config, train, g, hf_experts=hf_experts).specs(dtype) for g in infer.groups],
+            sizes=[g.world for g in infer.groups])
+    return Recipe(config, train, infer, hf_experts=hf_experts).specs(dtype)
 
 
 # ---------------------------------------------------------------- the shared set
@@ -205,7 +238,8 @@ def add_refit_args(p: argparse.ArgumentParser, *, model: str = "deepseek-v3",
                    help=f"training layout, megatron:tp=..,pp=..,ep=..,etp=..,dp=.. "
                         f"(default {train})")
     p.add_argument("--infer", type=infer_arg, default=infer,
-                   help=f"inference layout, vllm:tp=..,dp=..,pp=..,ep=.. (default {infer})")
+                   help=f"inference layout, vllm:tp=..,dp=..,pp=..,ep=.., or several groups "
+                        f"fed in one refit joined by + (default {infer})")
     p.add_argument("--gpus-per-node", type=positive_int,
                    default=8, help="ranks per NVLink domain on each side (default 8)")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16",
@@ -246,13 +280,11 @@ def build_refit(args: argparse.Namespace, parser: Optional[argparse.ArgumentPars
     ep not dividing the experts) goes to `parser.error` (one line, status 2) when given."""
     import torch
 
-    from .models import Recipe
-
     title, config = args.model
     train = even_out_stages(args.train, config.get("num_hidden_layers", 0))
     try:
-        recipe = Recipe(config, train, args.infer, hf_experts=args.hf_experts)
-        specs = recipe.specs(getattr(torch, args.dtype))
+        specs = recipe_specs(config, train, args.infer, getattr(torch, args.dtype),
+                             args.hf_experts)
     except ValueError as e:
         if parser is None:
             raise
@@ -285,7 +317,9 @@ def even_out_stages(train, layers: int):
 
 
 def describe(layout) -> str:
-    """`Megatron TP4xPP8` -> `TP4xPP8`."""
+    """`Megatron TP4xPP8` -> `TP4xPP8` (groups: `TP4xDP4 + TP2xDP8`)."""
+    if isinstance(layout, EngineGroups):
+        return " + ".join(describe(g) for g in layout.groups)
     return str(layout).split(" ", 1)[-1]
 
 

@@ -59,6 +59,28 @@ def test_plan_text_json_and_pictures(tmp_path):
     assert data["gather_broadcast_bytes"] > data["bytes_by_path"]["network"]
 
 
+def test_plan_and_simulate_several_inference_groups():
+    """`--infer A+B`: two destination groups in one refit, their ranks one after the other;
+    the groups share nodes here (2 GPUs per node), so planned together each byte crosses
+    into a node once."""
+    common = ["--model", "small-moe", "--train", "megatron:pp=2,ep=2,dp=2"]
+    data = json.loads(run("-m", "ray_reshard", "plan", *common, "--infer",
+                          "vllm:tp=2,dp=1+vllm:tp=1,dp=2", "--gpus-per-node", "2",
+                          "--json").stdout)
+    assert data["infer"] == "TP2 + TP1xDP2"
+    assert data["bytes_by_path"]["network"] == data["lower_bound_bytes"] > 0
+    alone = [json.loads(run("-m", "ray_reshard", "plan", *common, "--infer", infer,
+                            "--gpus-per-node", "2", "--json").stdout)["lower_bound_bytes"]
+             for infer in ("vllm:tp=2,dp=1", "vllm:tp=1,dp=2")]
+    assert data["lower_bound_bytes"] == sum(alone)      # one group per node: nothing shared
+    sim = json.loads(run("-m", "ray_reshard", "simulate", *common, "--infer",
+                         "vllm:tp=2,dp=1+vllm:tp=1,dp=2", "--cluster", "dgx-h100",
+                         "--gpus-per-domain", "4", "--json").stdout)
+    # both groups in one 4-GPU domain: the model crosses into it once
+    assert sim["network_bytes"] == sim["min_network_bytes"] == alone[0] > 0
+    assert sim["predicted_s"] > 0
+
+
 def test_model_bytes_small():
     out = run("-m", "ray_reshard", "model-bytes", "--models", "small-moe").stdout
     row = next(line for line in out.splitlines() if line.startswith("small Qwen3-MoE"))

@@ -64,7 +64,7 @@ def run(args) -> dict:
     import torch
 
     from ..core.plan import plan as make_plan
-    from ..models import Recipe
+    from ..cli_args import recipe_specs
 
     cl = preset(args.cluster).with_(
         gpus_per_domain=args.gpus_per_domain,
@@ -91,7 +91,7 @@ def run(args) -> dict:
     if timeline and timeline[1] >= (train.world if timeline[0] == "src" else infer.world):
         raise ValueError(f"--timeline: {args.timeline} is beyond that side's ranks")
     t0 = time.perf_counter()
-    specs = Recipe(config, train, infer).specs(dtype)
+    specs = recipe_specs(config, train, infer, dtype)
     g = cl.gpus_per_domain
     p = make_plan(specs, [("train", r // g) for r in range(train.world)],
                   [("infer", r // g) for r in range(infer.world)])
