@@ -23,6 +23,14 @@ Protocol (one round, driven by trainer rank 0, the sender):
    ``send_weights`` meanwhile (their actors must take calls while waiting, as Ray Train's
    workers do: the training function runs in its own thread).
 
+Quantization. A worker serving a block-FP8 checkpoint (vLLM's ``Fp8Config`` with
+``weight_block_size``) takes FP8 weights quantised by the senders plus their
+``weight_scale_inv`` through the fallback below, as the checkpoint holds them; the trainer side
+must then describe it with ``VLLM(..., quantization="fp8", weight_block_size=...)``, and any
+mismatch is refused before a byte moves. A model vLLM quantizes on load from an unquantized
+checkpoint takes the unquantized weights through the fallback, and vLLM's layerwise reload
+quantizes them again. Other quantized checkpoints are refused.
+
 In place vs fallback. A parameter is written in place when the model is not quantized and the
 module keeps the parameter in checkpoint layout after loading: modules without a quant method
 (norms, nn.Linear), ``UnquantizedLinearMethod``, ``UnquantizedEmbeddingMethod``, and
@@ -173,6 +181,15 @@ class RayReshardWeightTransferEngine(WeightTransferEngine[RayReshardInitInfo, Ra
         self.key = init_info.key
         _entry(self.key)["engine"] = self
 
+    def quantization(self) -> dict:
+        """The served model's quantization: method (None: unquantized), block FP8's
+        weight_block_size, whether the checkpoint holds FP8 (else vLLM quantizes on load)."""
+        qc = getattr(self.vllm_config, "quant_config", None)
+        block = getattr(qc, "weight_block_size", None)
+        return {"method": getattr(self.model_config, "quantization", None),
+                "block": None if block is None else tuple(int(b) for b in block),
+                "serialized": getattr(qc, "is_checkpoint_fp8_serialized", None)}
+
     def describe(self) -> dict:
         """Every parameter: name -> (shape, dtype name, None or why it is not written in place)."""
         quantized = self._quantized()
@@ -237,6 +254,10 @@ def _describe(actor, key: str) -> dict:
     return _REGISTRY[key]["engine"].describe()
 
 
+def _quantization(actor, key: str) -> dict:
+    return _REGISTRY[key]["engine"].quantization()
+
+
 def _configure(actor, key: str, staging: dict) -> None:
     _REGISTRY[key]["engine"].configure(staging)
 
@@ -251,15 +272,20 @@ def _release(actor, key: str, round_no: int, error: Optional[str]) -> None:
 
 # --------------------------------------------------------------------------------- specs
 def plan_specs(config: Any, train, infer, described: list[dict], dtype=torch.bfloat16,
-               train_dtype: Optional[torch.dtype] = None) -> tuple[dict, list[dict]]:
+               train_dtype: Optional[torch.dtype] = None,
+               quantization: Optional[list[dict]] = None) -> tuple[dict, list[dict]]:
     """Specs of a refit into live vLLM workers, and each worker's staging tensors.
 
-    `described[r]` is worker r's `describe()`. Pieces whose storage a worker cannot write in
-    place go whole (HF tensor, replicated to every rank holding the piece) to ``full:<hf name>``
-    staging tensors. Raises, naming rank and storage, when a worker lacks a storage the recipe
-    expects or holds it with another shape or dtype."""
+    `described[r]` is worker r's `describe()`, `quantization[r]` its `quantization()`. Pieces
+    whose storage a worker cannot write in place go whole (HF tensor, replicated to every rank
+    holding the piece) to ``full:<hf name>`` staging tensors; block-FP8 pieces go as the
+    checkpoint holds them, FP8 weights quantised by the senders plus ``<hf name>_scale_inv``.
+    Raises, naming rank and storage, when a worker lacks a storage the recipe expects or holds
+    it with another shape or dtype, or serves another quantization than `infer` describes."""
     if len(described) != infer.world:
         raise ValueError(f"{infer} has {infer.world} ranks but {len(described)} workers answered")
+    for r, q in enumerate(quantization or ()):
+        _check_quantization(r, q, infer)
     recipe = Recipe(config, train, infer, hf_experts="split")
     specs = recipe.specs(dtype, train_dtype)
     dt_name = str(dtype).replace("torch.", "")
@@ -292,10 +318,40 @@ def plan_specs(config: Any, train, infer, described: list[dict], dtype=torch.bfl
         dst = rr.Layout(rr.Mesh(ranks, ("workers",)), (rr.Replicate(),))
         specs[pc.name] = rr.TensorSpec(spec.shape, spec.dtype, spec.src, dst,
                                     src_dtype=spec.src_dtype, src_slots=spec.src_slots,
-                                    dst_slots={r: slot for r in ranks})
+                                    dst_slots={r: slot for r in ranks}, quant=spec.quant)
         for r in ranks:
             staging[r][hf_name] = (hf_shapes[pc.hf], str(spec.dtype).replace("torch.", ""))
+            if spec.quant is not None:      # the checkpoint's scales beside the weight
+                staging[r][spec.quant.scale_storage(hf_name)] = (
+                    spec.quant.scale_shape(hf_shapes[pc.hf]), "float32")
     return specs, staging
+
+
+def _check_quantization(rank: int, q: dict, infer) -> None:
+    """The worker serves what `infer` describes: a block-FP8 checkpoint iff quantization="fp8"
+    with the same block; no other quantization (its loader would take the wrong bytes)."""
+    method, block, serialized = q.get("method"), q.get("block"), q.get("serialized")
+    want = getattr(infer, "quantization", None)
+    fp8_ckpt = method == "fp8" and serialized and block is not None
+    if want == "fp8":
+        if not fp8_ckpt:
+            raise ValueError(
+                f"vLLM worker {rank} serves quantization={method!r} (checkpoint FP8: "
+                f"{serialized}, weight_block_size={block}), but {infer} asks for a block-FP8 "
+                f"checkpoint; refit with the worker's quantization")
+        if tuple(block) != tuple(infer.weight_block_size):
+            raise ValueError(f"vLLM worker {rank} uses weight_block_size={tuple(block)}, "
+                             f"{infer} has {tuple(infer.weight_block_size)}")
+        return
+    if fp8_ckpt:
+        raise ValueError(f"vLLM worker {rank} serves a block-FP8 checkpoint (weight_block_size="
+                         f"{tuple(block)}): refit with VLLM(..., quantization='fp8', "
+                         f"weight_block_size={tuple(block)}) so the senders deliver FP8 and "
+                         f"scales; bf16 weights would be cast without scales")
+    if method is not None and serialized:
+        raise ValueError(f"vLLM worker {rank} serves a {method!r} checkpoint, which ray_reshard "
+                         f"does not produce; only unquantized checkpoints (vLLM may quantize "
+                         f"on load) and block FP8 are supported")
 
 
 # --------------------------------------------------------------------------------- trainer side
@@ -359,8 +415,10 @@ class RayReshardTrainerEngine(TrainerWeightTransferEngine[RayReshardTrainerInitI
                              f"{len(info.dst_actors)} vLLM worker actors")
         client.init_weight_transfer_engine({"key": info.key})
         described = ray.get([a.__ray_call__.remote(_describe, info.key) for a in info.dst_actors])
+        quant = ray.get([a.__ray_call__.remote(_quantization, info.key)
+                         for a in info.dst_actors])
         engine.specs, staging = plan_specs(info.config, info.train, info.infer, described,
-                                           info.dtype, info.train_dtype)
+                                           info.dtype, info.train_dtype, quant)
         ray.get([a.__ray_call__.remote(_configure, info.key, st)
                  for a, st in zip(info.dst_actors, staging)])
         engine.fallback = {r: sorted(st) for r, st in enumerate(staging) if st}

@@ -251,3 +251,59 @@ def test_inference_tensors_are_written_through_aliases():
     assert not a.is_inference() and a.data_ptr() == t.data_ptr()
     a[1].fill_(2.0)
     assert float(t.sum()) == 8.0
+
+
+def test_block_fp8_workers_take_fp8_weights_and_scales_as_the_checkpoint_holds_them():
+    """A worker serving a block-FP8 checkpoint: every piece goes through the fallback as FP8
+    quantised by the senders plus its `_scale_inv`, and those staging tensors equal the
+    reference quantisation of the HF tensors (run in one process, the runtime's programs)."""
+    import ray_reshard as rr
+    from ray_reshard.core.quant import reference_quantize
+    from ray_reshard.integrations.vllm import FULL, plan_specs
+    from ray_reshard.models import storage_shapes
+    from ray_reshard.simulate import simulate_refit
+
+    fp8 = VLLM(tp=2, ep=2, quantization="fp8", weight_block_size=(4, 4))
+    served = {"method": "fp8", "block": (4, 4), "serialized": True}
+    described = [{n: (tuple(s), "float8_e4m3fn", "quantized model") for n, s in
+                  storage_shapes(CONFIG, fp8, r).items()} for r in range(fp8.world)]
+    with pytest.raises(ValueError, match="vLLM worker 0 serves a block-FP8 checkpoint"):
+        plan_specs(CONFIG, TRAIN, INFER, described, quantization=[served] * 2)
+    with pytest.raises(ValueError, match="weight_block_size=\\(8, 8\\)"):
+        plan_specs(CONFIG, TRAIN, fp8, described, quantization=[dict(served, block=(8, 8))] * 2)
+    with pytest.raises(ValueError, match="asks for a block-FP8 checkpoint"):
+        plan_specs(CONFIG, TRAIN, fp8, described,
+                   quantization=[dict(served, serialized=False)] * 2)
+    with pytest.raises(ValueError, match="'awq' checkpoint"):
+        plan_specs(CONFIG, TRAIN, INFER, described,
+                   quantization=[{"method": "awq", "block": None, "serialized": True}] * 2)
+
+    specs, staging = plan_specs(CONFIG, TRAIN, fp8, described, torch.bfloat16, torch.float32,
+                                quantization=[served] * 2)
+    shapes = hf_parameter_shapes(CONFIG, hf_experts="split", mtp=True)
+    quantised = {n for n, s in specs.items() if s.quant is not None}
+    assert quantised and all(specs[n].slot("dst", 0, n).storage.startswith(FULL)
+                             for n in quantised if specs[n].dst.box(0, specs[n].shape))
+    g = torch.Generator().manual_seed(11)
+    sd = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+    src = [local_state(CONFIG, TRAIN, "src", r, sd, dtype=torch.float32, hf_experts="split")
+           for r in range(TRAIN.world)]
+    dst = []
+    for r in range(fp8.world):
+        store = {FULL + n: torch.full(s, float("nan"), dtype=getattr(torch, dt))
+                 for n, (s, dt) in staging[r].items()}
+        store.update({n: torch.zeros(s) for n, s in storage_shapes(CONFIG, fp8, r).items()})
+        dst.append(store)
+    plan = rr.plan(specs, ["s"] * TRAIN.world, ["d0", "d1"])
+    simulate_refit(plan, src, dst)
+    checked = 0
+    for r in range(fp8.world):
+        for n, t in staging[r].items():
+            if n.endswith("_scale_inv") or t[1] != "float8_e4m3fn":
+                continue
+            q, s = reference_quantize(sd[n], (4, 4))
+            got = dst[r][FULL + n]
+            assert torch.equal(got.view(torch.uint8), q.view(torch.uint8)), (r, n)
+            assert torch.equal(dst[r][FULL + n + "_scale_inv"], s), (r, n)
+            checked += 1
+    assert checked > 10
