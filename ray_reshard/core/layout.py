@@ -12,8 +12,30 @@ from .mesh import Mesh
 from .placement import Placement, Replicate, Shard, as_placement
 
 
+class _Holdings:
+    """What each rank of a layout holds (shared by Layout and LayoutUnion)."""
+
+    __slots__ = ()
+
+    def box(self, rank: int, shape: Sequence[int]) -> Optional[Box]:
+        """The global box `rank` holds, or None when the rank is not in the mesh."""
+        return _box(self, int(rank), tuple(shape))
+
+    def local_shape(self, rank: int, shape: Sequence[int]) -> Optional[tuple[int, ...]]:
+        b = self.box(rank, shape)
+        return None if b is None else b.sizes
+
+    def boxes(self, shape: Sequence[int]) -> dict[int, Box]:
+        """Box of every rank in the mesh."""
+        return dict(_boxes(self, tuple(shape)))
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return self.mesh.ranks
+
+
 @dataclass(frozen=True, init=False)
-class Layout:
+class Layout(_Holdings):
     """How one side lays a tensor out: `placements[i]` says what mesh dim i does.
 
     Several mesh dims may shard the same tensor dim; they nest in mesh-dim order, as DTensor
@@ -113,22 +135,6 @@ class Layout:
                         f"{what}: {p} over mesh dim {self.mesh.dim_names[i]!r} of size {parts} "
                         f"covers {p.block * parts} of {shape[p.dim]} elements of dim {p.dim}")
 
-    def box(self, rank: int, shape: Sequence[int]) -> Optional[Box]:
-        """The global box `rank` holds, or None when the rank is not in the mesh."""
-        return _box(self, int(rank), tuple(shape))
-
-    def local_shape(self, rank: int, shape: Sequence[int]) -> Optional[tuple[int, ...]]:
-        b = self.box(rank, shape)
-        return None if b is None else b.sizes
-
-    def boxes(self, shape: Sequence[int]) -> dict[int, Box]:
-        """Box of every rank in the mesh."""
-        return dict(_boxes(self, tuple(shape)))
-
-    @property
-    def ranks(self) -> tuple[int, ...]:
-        return self.mesh.ranks
-
     def __hash__(self):
         # Cached: layouts key the planner's caches (see Mesh.__hash__).
         h = self.__dict__.get("_hash")
@@ -155,7 +161,7 @@ class Layout:
 
 
 @dataclass(frozen=True, init=False)
-class LayoutUnion:
+class LayoutUnion(_Holdings):
     """One tensor laid out by several groups of ranks at once, each with its own `Layout`
     (prefill engines in TP8 on ranks 0-7 and decode engines in TP2 x DP4 on ranks 8-15).
 
@@ -196,21 +202,6 @@ class LayoutUnion:
     def validate_for(self, shape: Sequence[int], what: str = "tensor") -> None:
         for i, lay in enumerate(self.parts):
             lay.validate_for(shape, f"{what}, group {i}")
-
-    def box(self, rank: int, shape: Sequence[int]) -> Optional[Box]:
-        lay = self.part_of(rank)
-        return None if lay is None else lay.box(rank, shape)
-
-    def local_shape(self, rank: int, shape: Sequence[int]) -> Optional[tuple[int, ...]]:
-        b = self.box(rank, shape)
-        return None if b is None else b.sizes
-
-    def boxes(self, shape: Sequence[int]) -> dict[int, Box]:
-        return dict(_boxes(self, tuple(shape)))
-
-    @property
-    def ranks(self) -> tuple[int, ...]:
-        return self.mesh.ranks
 
     def replica(self, which: Any) -> Layout:
         raise ValueError("a LayoutUnion has no single replica structure: take the replica "
