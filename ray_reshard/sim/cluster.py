@@ -40,14 +40,17 @@ class Cluster:
     fabric_Bps: Optional[float] = None
     domain_fabric_Bps: Optional[float] = None
     refit_overhead_s: float = 5e-3      # the driver's one call per process of a refit
-    copy_Bps: float = 1000 * GB         # staging copies of strided items, per rank
+    copy_Bps: float = 1000 * GB         # staging copies of strided regions, per rank
+    contig_copy_Bps: float = 1000 * GB  # staging copies of contiguous regions, per rank
+    per_item_min_bytes: Optional[int] = None  # CPU wire format: network items this large travel
+                                              # as their own messages (None: buckets packed)
     cpu_cores: Optional[int] = None     # ranks share this many cores (None: each its own)
     broadcast: str = "ring"             # "ring": pipelined (NCCL); "flat": root sends each copy (gloo)
 
     def __post_init__(self):
         if self.gpus_per_domain < 1:
             raise ValueError(f"gpus_per_domain must be >= 1, got {self.gpus_per_domain}")
-        for n in ("nvlink_Bps", "nic_Bps"):
+        for n in ("nvlink_Bps", "nic_Bps", "copy_Bps", "contig_copy_Bps"):
             if not getattr(self, n) > 0:
                 raise ValueError(f"{n} must be positive, got {getattr(self, n)}")
         for n in ("latency_s", "item_s", "tensor_s", "refit_overhead_s"):
@@ -64,7 +67,8 @@ class Cluster:
              f"{self.latency_s * 1e6:.0f} us per message, {self.item_s * 1e6:.0f} us per item, "
              f"{self.tensor_s * 1e6:.0f} us per tensor per process")
         s += (f", {self.refit_overhead_s * 1e3:.1f} ms per refit, staging copies "
-              f"{self.copy_Bps / GB:.1f} GB/s")
+              f"{self.copy_Bps / GB:.1f} GB/s strided, {self.contig_copy_Bps / GB:.1f} GB/s "
+              f"contiguous")
         if self.cpu_cores:
             s += f", all ranks on {self.cpu_cores} CPU cores"
         if self.fabric_Bps:
@@ -87,7 +91,7 @@ PRESETS = {
     # `python -m ray_reshard.bench.sim_calibrate` (see README); rerun it to refresh them.
     "local": Cluster("local", 4, 6.63 * GB, 1.71 * GB, latency_s=0.385e-3, fabric_Bps=2.98 * GB,
                      domain_fabric_Bps=6.63 * GB, refit_overhead_s=7.8e-3, copy_Bps=3.06 * GB,
-                     cpu_cores=2, broadcast="flat"),
+                     cpu_cores=2, broadcast="flat", per_item_min_bytes=64 << 10),
 }
 
 
