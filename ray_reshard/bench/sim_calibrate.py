@@ -161,10 +161,10 @@ def main(argv=None) -> int:
                         latency_s=latency, item_s=item_s, tensor_s=tensor_s, fabric_Bps=fabric,
                         domain_fabric_Bps=domain_fabric, refit_overhead_s=overhead,
                         copy_Bps=copy_bps, contig_copy_Bps=contig_bps, cpu_cores=cores,
-                        broadcast="flat", per_item_min_bytes=64 << 10)
+                        broadcast="flat", per_item_min_bytes=64 << 10, ring_latency_s=0.0)
         print("constants (measured with primitive transfers, not with the refits below):")
         print(f"  network one pair {one / 1e9:.2f} GB/s, 4 pairs together {fabric / 1e9:.2f} GB/s; "
-              f"shared memory in a node {domain_fabric / 1e9:.2f} GB/s")
+              f"shared-memory refit in a node {dom_bytes / (t_dom - t_round) / 1e9:.2f} GB/s")
         print(f"  one-item refit {t_round * 1e3:.1f} ms = overhead {overhead * 1e3:.1f} ms + "
               f"one round; per extra round {latency * 1e3:.2f} ms; per item {item_s * 1e6:.1f} us "
               f"and {tensor_s * 1e6:.1f} us per tensor per process of CPU")

@@ -34,7 +34,8 @@ class Cluster:
     gpus_per_domain: int
     nvlink_Bps: float
     nic_Bps: float
-    latency_s: float = 20e-6
+    latency_s: float = 20e-6            # per network group a process posts
+    ring_latency_s: float = 20e-6       # per ring transfer (the sender's stream sync, publish)
     item_s: float = MEASURED_ITEM_S
     tensor_s: float = MEASURED_TENSOR_S  # per tensor per process taking part (views, checks)
     fabric_Bps: Optional[float] = None
@@ -53,7 +54,7 @@ class Cluster:
         for n in ("nvlink_Bps", "nic_Bps", "copy_Bps", "contig_copy_Bps"):
             if not getattr(self, n) > 0:
                 raise ValueError(f"{n} must be positive, got {getattr(self, n)}")
-        for n in ("latency_s", "item_s", "tensor_s", "refit_overhead_s"):
+        for n in ("latency_s", "ring_latency_s", "item_s", "tensor_s", "refit_overhead_s"):
             if getattr(self, n) < 0:
                 raise ValueError(f"{n} must be >= 0, got {getattr(self, n)}")
 
@@ -91,7 +92,8 @@ PRESETS = {
     # `python -m ray_reshard.bench.sim_calibrate` (see README); rerun it to refresh them.
     "local": Cluster("local", 4, 6.63 * GB, 1.71 * GB, latency_s=0.385e-3, fabric_Bps=2.98 * GB,
                      domain_fabric_Bps=6.63 * GB, refit_overhead_s=7.8e-3, copy_Bps=3.06 * GB,
-                     cpu_cores=2, broadcast="flat", per_item_min_bytes=64 << 10),
+                     cpu_cores=2, broadcast="flat", per_item_min_bytes=64 << 10,
+                     ring_latency_s=0.0),
 }
 
 

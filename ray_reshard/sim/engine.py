@@ -423,9 +423,10 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, send
     max_msgs = 4 * W
     packed_only = cluster.per_item_min_bytes is None
     nic, nvl, lat = cluster.nic_Bps, cluster.nvlink_Bps, cluster.latency_s
+    ring_lat = cluster.ring_latency_s
     cpu = [float(x) for x in prep]               # each process's program clock
     nccl = [0.0] * world                          # when its previous network group ends
-    nic_s, nic_r, nv_s, nv_r = ([0.0] * world for _ in range(4))
+    nv_s, nv_r = [0.0] * world, [0.0] * world
     inflight = [deque() for _ in range(world)]    # (end, buffers, messages, unpack s, round, seq)
     used_buf, used_msg = [0] * world, [0] * world
     seq_next, seq_done = [0] * world, [-1] * world
@@ -489,12 +490,19 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, send
                     pop(p)
                 cpu[p] += pack
                 start[p] = max(cpu[p], nccl[p])
+            # a group's messages progress together, sharing each NIC direction: a message
+            # ends once both its ends are posted and its own bytes have moved, and no sooner
+            # than its sender's and its receiver's bytes of the group could have
+            out_load, in_load = defaultdict(int), defaultdict(int)
+            for m in range(i, j):
+                out_load[snd[m]] += nbytes[m]
+                in_load[rcv[m]] += nbytes[m]
             end = dict.fromkeys(parts, 0.0)
             for m in range(i, j):
                 s, r = snd[m], rcv[m]
-                t0 = max(start[s], start[r], nic_s[s], nic_r[r])
-                t1 = t0 + nbytes[m] / nic
-                nic_s[s] = nic_r[r] = t1
+                t0 = max(start[s], start[r])
+                t1 = max(t0 + nbytes[m] / nic, start[s] + out_load[s] / nic,
+                         start[r] + in_load[r] / nic)
                 end[s], end[r] = max(end[s], t1), max(end[r], t1)
                 if s == watch:
                     note(m, t0, t1 + lat, 0, sw[m], t1 - t0)
@@ -524,7 +532,7 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, send
             # a ring: the sender packs into the receiver's slot over the link and waits for it;
             # the receiver unpacks once the slot is there
             t0 = max(cpu[s] + sw[i], nv_s[s], nv_r[r])
-            t1 = t0 + nbytes[i] / nvl + lat
+            t1 = t0 + nbytes[i] / nvl + ring_lat
             nv_s[s] = nv_r[r] = cpu[s] = t1
             if s == watch:
                 note(i, t0, t1, 2, sw[i], t1 - t0)
