@@ -6,7 +6,8 @@ On a local two-node Ray cluster (4 source actors on node A, 4 destination actors
 1. measure the link constants with primitive transfers: raw network bandwidth for one pair and
    for 4 pairs at once (gloo over loopback), the shared-memory ring inside a node (a refit
    whose moves all stay in the domain, less its copies), the cost of a one-item refit round
-   (latency), the extra cost per item (many small tensors), and one core's copy rates out of
+   (latency; the same inside a node: a ring transfer's fixed cost), the extra cost per item
+   (many small tensors), and one core's copy rates out of
    strided and contiguous regions into buffers that exist (as packing into staging does);
 2. refit several other layouts, sizes and tensor counts, and print the measured median next to
    the simulator's prediction for them with those constants (the plans are the ones the group
@@ -66,16 +67,17 @@ def _time_refits(group, specs, repeats: int) -> float:
 def copy_rates(repeats: int = 7) -> tuple[float, float]:
     """Bytes per second of one core copying 32 MiB between buffers that already exist, as a
     process packs into and unpacks out of its staging buffers and ring slots: out of a strided
-    region (the left half of a row-major [4096, 4096] fp32 matrix: 8 KiB runs) and out of a
+    region (the left half of a row-major [32768, 512] fp32 matrix: 1 KiB runs, as a column
+    slice of a tensor-parallel weight has: a few hundred bytes to a few KiB) and out of a
     contiguous one."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)                         # one process, one core
     try:
-        x = torch.randn(4096, 4096)
-        y = torch.empty(4096, 2048)
-        z = torch.empty(4096 * 2048)
+        x = torch.randn(32768, 512)
+        y = torch.empty(32768, 256)
+        z = torch.empty(32768 * 256)
         out = []
-        for f in (lambda: y.copy_(x[:, :2048]), lambda: z.copy_(x[:2048].reshape(-1))):
+        for f in (lambda: y.copy_(x[:, :256]), lambda: z.copy_(x[:16384].reshape(-1))):
             f()
             best = float("inf")
             for _ in range(repeats):
@@ -146,27 +148,38 @@ def main(argv=None) -> int:
         per_round_cpu = 2 * N * item_s / cores + 2 * N * tensor_s / cores / rounds
         latency = max(0.0, (t_rounds - t_round) / (rounds - 1) - per_round_cpu)
         overhead = max(0.0, t_round - latency - per_round_cpu)
+        with rr.ReshardGroup(near, dst, bucket_bytes=4096) as gr:
+            # the same two refits inside one node: the fixed cost of one ring transfer
+            _fill(near, tiny, "src"), _fill(dst, tiny, "dst")
+            t_ring_round = _time_refits(gr, tiny, args.repeats * 3)
+            _fill(near, chunked, "src"), _fill(dst, chunked, "dst")
+            t_ring_rounds = _time_refits(gr, chunked, args.repeats * 2)
+        ring_latency = max(0.0, (t_ring_rounds - t_ring_round) / (rounds - 1) - per_round_cpu)
         copy_bps, contig_bps = copy_rates()
         dom = _specs(8, 1024, max(256, 4 * (args.mb << 20) // 4 // 8 // 1024), tp4, tp4)
         with rr.ReshardGroup(near, dst, bucket_bytes=bucket) as gd:
             _fill(near, dom, "src"), _fill(dst, dom, "dst")
             assert gd.plan(dom).stats.domain_bytes == gd.plan(dom).stats.total_bytes
             t_dom = _time_refits(gd, dom, args.repeats)
+            dom_rounds = 1 + max(t.key[0] for t in gd.plan(dom).schedule(bucket).transfers)
         dom_bytes = sum(s.nbytes for s in dom.values())
         # a ring transfer is the sender's copy into the slot and the receiver's copy out of it
         # (contiguous here), on the shared cores, plus the ring's own cost: the domain link
         dom_copies = 2 * dom_bytes / contig_bps / cores
-        domain_fabric = dom_bytes / max(1e-4, t_dom - t_round - dom_copies)
+        domain_fabric = dom_bytes / max(1e-4, t_dom - t_ring_round - dom_copies
+                                        - (dom_rounds - 1) * ring_latency)
         local = Cluster("local (measured now)", N, nvlink_Bps=domain_fabric, nic_Bps=one,
                         latency_s=latency, item_s=item_s, tensor_s=tensor_s, fabric_Bps=fabric,
                         domain_fabric_Bps=domain_fabric, refit_overhead_s=overhead,
                         copy_Bps=copy_bps, contig_copy_Bps=contig_bps, cpu_cores=cores,
-                        broadcast="flat", per_item_min_bytes=64 << 10, ring_latency_s=0.0)
+                        broadcast="flat", per_item_min_bytes=64 << 10,
+                        ring_latency_s=ring_latency)
         print("constants (measured with primitive transfers, not with the refits below):")
         print(f"  network one pair {one / 1e9:.2f} GB/s, 4 pairs together {fabric / 1e9:.2f} GB/s; "
-              f"shared-memory refit in a node {dom_bytes / (t_dom - t_round) / 1e9:.2f} GB/s")
+              f"shared-memory refit in a node {dom_bytes / (t_dom - t_ring_round) / 1e9:.2f} GB/s")
         print(f"  one-item refit {t_round * 1e3:.1f} ms = overhead {overhead * 1e3:.1f} ms + "
-              f"one round; per extra round {latency * 1e3:.2f} ms; per item {item_s * 1e6:.1f} us "
+              f"one round; per extra round {latency * 1e3:.2f} ms (in a node: "
+              f"{ring_latency * 1e3:.2f} ms); per item {item_s * 1e6:.1f} us "
               f"and {tensor_s * 1e6:.1f} us per tensor per process of CPU")
         print(f"  copies on one core: strided {copy_bps / 1e9:.2f} GB/s, contiguous "
               f"{contig_bps / 1e9:.2f} GB/s; {cores} cores; the domain link without its copies "

@@ -65,8 +65,9 @@ class Cluster:
         s = (f"{self.name}: {self.gpus_per_domain} GPUs per NVLink domain, NVLink "
              f"{self.nvlink_Bps / GB:.0f} GB/s and NIC {self.nic_Bps / GB:.1f} GB/s "
              f"({self.nic_Bps * 8 / GB:.0f} Gb/s) per GPU per direction, "
-             f"{self.latency_s * 1e6:.0f} us per message, {self.item_s * 1e6:.0f} us per item, "
-             f"{self.tensor_s * 1e6:.0f} us per tensor per process")
+             f"{self.latency_s * 1e6:.0f} us per network group, "
+             f"{self.ring_latency_s * 1e6:.0f} us per ring transfer, {self.item_s * 1e6:.1f} us per item, "
+             f"{self.tensor_s * 1e6:.1f} us per tensor per process")
         s += (f", {self.refit_overhead_s * 1e3:.1f} ms per refit, staging copies "
               f"{self.copy_Bps / GB:.1f} GB/s strided, {self.contig_copy_Bps / GB:.1f} GB/s "
               f"contiguous")

@@ -2,25 +2,48 @@
 
 Model
 -----
-The executor runs every process's transfers in one global key order whose first field is the
-bucket round (the k-th bucket of every sender/receiver pair; a forwarded bucket runs one round
-after the network bucket it passes on). The simulator replays that order round by round:
+Every process runs its share of the schedule in the global key order (round, path, rotation,
+...), as the executor does; the simulator walks that order once and keeps per process a
+program clock (its CPU), the end of its last network group, and its network groups in flight:
 
-* a round's transfers share links: each GPU's NIC carries its network sends in one direction
-  and its receives in the other; its NVLink port likewise carries domain transfers;
-* a round lasts as long as its busiest link needs for its bytes (or the whole fabric, where a
-  cluster caps it), or as long as the busiest rank's CPU work on its items, whichever is
-  longer, plus one message latency; rounds run one after another.
+* network buckets are posted in groups: a run of keys with the same round and the same span of
+  `window // 2` rotations (on a CPU cluster, a bucket whose items all travel as their own
+  messages is its own group). Posting needs a staging buffer per packed bucket; with `window`
+  buffers (or `4 * window` messages) in use the process first completes its oldest group, then
+  unpacks it. Packing runs on the process's clock before the post;
+* a process's groups run one after another (one NCCL stream), a group starts once its process
+  posted it and the previous one ended; its messages move together: each ends once both its
+  ends' groups started and its bytes moved, no sooner than its sender's (receiver's) bytes of
+  the group could leave (arrive) at the NIC's rate; a group ends with its last message plus
+  one `latency_s`;
+* a domain (ring) bucket is packed by its sender into the receiver's slot over NVLink (the
+  sender waits for it: NVLink send and receive ports of both ends are busy meanwhile, plus
+  `ring_latency_s`); the receiver takes it when it reaches that step and unpacks it;
+* a forwarded bucket sorts one round after the network bucket that brought its data, behind the
+  next round's network groups: the forwarder first completes its groups up to that bucket, so the
+  next round's receives are in flight while it forwards;
+* CPU work per bucket end: `item_s` per item plus its copies: bytes of strided regions at
+  `copy_Bps`, of contiguous regions at `contig_copy_Bps`; network items in place (CPU wire
+  format, `per_item_min_bytes`) copy nothing; every process first looks up its tensors' views
+  (`tensor_s` each).
 
-Two ways to get the rounds: `exact` walks `Plan.schedule(bucket_bytes).transfers` (the buckets
-the executor runs); `aggregate` sums each (sender, receiver, path) pair's bytes and items from
-the plan's moves and cuts them into buckets of `bucket_bytes` the way the schedule does, which
-avoids building the schedule (millions of items at DeepSeek-V3 scale). Both give the same
-per-round byte counts up to how items pack into buckets.
+The replay ends when every process has completed and unpacked everything. Where the cluster
+caps the sum over all links (`fabric_Bps`, `domain_fabric_Bps`) the refit takes at least those
+bytes over that rate; where ranks share `cpu_cores`, those fabrics are the same cores (loopback
+sockets, shared-memory copies), so fabric time and all ranks' CPU work add up into one floor.
+Predicted = max(replay, floor) + `refit_overhead_s`.
+
+Two ways to get the buckets: `exact` walks `Plan.schedule(bucket_bytes).transfers` (the buckets
+the executor runs); `aggregate` sums each (sender, receiver, path) pair's bytes, items and
+copies from the plan's moves and cuts them into buckets of `bucket_bytes` the way the schedule
+does (a forwarded pair's bytes spread over the buckets of the network pair that brings them),
+in the same key order, which avoids building the schedule (millions of items at DeepSeek-V3
+scale). Both give the same byte counts per round up to how items pack into buckets; a
+forward waits for all of its forwarder's older groups in the aggregate replay.
 
 The bound is what no schedule can beat on this plan: the busiest NIC's bytes over its
-bandwidth, and the same for NVLink. `balanced_bound_s` is the network lower bound spread
-perfectly over every destination NIC.
+bandwidth, the same for NVLink, and the fabrics' caps. `balanced_bound_s` is the network lower
+bound spread perfectly over every destination NIC.
 
 gather_broadcast follows the runtime's strategy: per tensor, a ring all-gather among one replica
 of each source shard, then a pipelined broadcast of the whole tensor from one source to every
