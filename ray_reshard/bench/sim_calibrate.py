@@ -7,7 +7,8 @@ On a local two-node Ray cluster (4 source actors on node A, 4 destination actors
    for 4 pairs at once (gloo over loopback), the shared-memory ring inside a node (a refit
    whose moves all stay in the domain, less its copies), the cost of a one-item refit round
    (latency; the same inside a node: a ring transfer's fixed cost), the extra cost per item
-   (many small tensors), and one core's copy rates out of
+   (many small tensors), per message (the same bytes in 64 KiB items, each its own message, or
+   in one), and one core's copy rates out of
    strided and contiguous regions into buffers that exist (as packing into staging does);
 2. refit several other layouts, sizes and tensor counts, and print the measured median next to
    the simulator's prediction for them with those constants (the plans are the ones the group
@@ -136,10 +137,20 @@ def main(argv=None) -> int:
             cross = _specs(400, 16, 16, tp4, tp4c)          # 400 tensors, 4 items each per source
             _fill(src, cross, "src"), _fill(dst, cross, "dst")
             t_cross = _time_refits(g, cross, args.repeats)
+            # the same 16 MiB as 64 tensors of 64 KiB items (each its own message, in place)
+            # or one tensor of one 4 MiB item per pair: the cost of 63 more messages per pair
+            msgs64 = _specs(64, N, 16384, tp4, tp4)
+            _fill(src, msgs64, "src"), _fill(dst, msgs64, "dst")
+            t_msgs64 = _time_refits(g, msgs64, args.repeats)
+            msgs1 = _specs(1, N * 64, 16384, tp4, tp4)
+            _fill(src, msgs1, "src"), _fill(dst, msgs1, "dst")
+            t_msgs1 = _time_refits(g, msgs1, args.repeats)
         # all ranks share the cores; an item is handled by its sender and its receiver, a
         # tensor's views are looked up by each of the 8 processes
         item_s = max(0.0, (t_cross - t_many) * cores / (400 * 3 * N * 2))
         tensor_s = max(0.0, ((t_many - t_round) * cores - 400 * N * 2 * item_s) / (400 * 2 * N))
+        message_s = max(0.0, ((t_msgs64 - t_msgs1) * cores - 63 * 2 * N * (item_s + tensor_s))
+                        / (63 * N * 2))
         with rr.ReshardGroup(src, dst, bucket_bytes=4096) as g4:
             rounds = 16                                      # one 16-chunk item per pair
             chunked = _specs(1, N * rounds, 1024, tp4, tp4)
@@ -172,7 +183,7 @@ def main(argv=None) -> int:
                         latency_s=latency, item_s=item_s, tensor_s=tensor_s, fabric_Bps=fabric,
                         domain_fabric_Bps=domain_fabric, refit_overhead_s=overhead,
                         copy_Bps=copy_bps, contig_copy_Bps=contig_bps, cpu_cores=cores,
-                        broadcast="flat", per_item_min_bytes=64 << 10,
+                        broadcast="flat", per_item_min_bytes=64 << 10, message_s=message_s,
                         ring_latency_s=ring_latency)
         print("constants (measured with primitive transfers, not with the refits below):")
         print(f"  network one pair {one / 1e9:.2f} GB/s, 4 pairs together {fabric / 1e9:.2f} GB/s; "
@@ -180,7 +191,8 @@ def main(argv=None) -> int:
         print(f"  one-item refit {t_round * 1e3:.1f} ms = overhead {overhead * 1e3:.1f} ms + "
               f"one round; per extra round {latency * 1e3:.2f} ms (in a node: "
               f"{ring_latency * 1e3:.2f} ms); per item {item_s * 1e6:.1f} us "
-              f"and {tensor_s * 1e6:.1f} us per tensor per process of CPU")
+              f"and {tensor_s * 1e6:.1f} us per tensor per process of CPU; per message of an item "
+              f"sent as its own {message_s * 1e6:.1f} us per end")
         print(f"  copies on one core: strided {copy_bps / 1e9:.2f} GB/s, contiguous "
               f"{contig_bps / 1e9:.2f} GB/s; {cores} cores; the domain link without its copies "
               f"{domain_fabric / 1e9:.2f} GB/s")

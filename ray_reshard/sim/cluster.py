@@ -43,6 +43,7 @@ class Cluster:
     refit_overhead_s: float = 5e-3      # the driver's one call per process of a refit
     copy_Bps: float = 1000 * GB         # staging copies of strided regions, per rank
     contig_copy_Bps: float = 1000 * GB  # staging copies of contiguous regions, per rank
+    message_s: float = 0.0              # CPU per message of an item sent as its own, per end
     per_item_min_bytes: Optional[int] = None  # CPU wire format: network items this large travel
                                               # as their own messages (None: buckets packed)
     cpu_cores: Optional[int] = None     # ranks share this many cores (None: each its own)
@@ -54,7 +55,8 @@ class Cluster:
         for n in ("nvlink_Bps", "nic_Bps", "copy_Bps", "contig_copy_Bps"):
             if not getattr(self, n) > 0:
                 raise ValueError(f"{n} must be positive, got {getattr(self, n)}")
-        for n in ("latency_s", "ring_latency_s", "item_s", "tensor_s", "refit_overhead_s"):
+        for n in ("latency_s", "ring_latency_s", "item_s", "tensor_s", "refit_overhead_s",
+                  "message_s"):
             if getattr(self, n) < 0:
                 raise ValueError(f"{n} must be >= 0, got {getattr(self, n)}")
 
@@ -71,6 +73,9 @@ class Cluster:
         s += (f", {self.refit_overhead_s * 1e3:.1f} ms per refit, staging copies "
               f"{self.copy_Bps / GB:.1f} GB/s strided, {self.contig_copy_Bps / GB:.1f} GB/s "
               f"contiguous")
+        if self.per_item_min_bytes is not None:
+            s += (f", items of {self.per_item_min_bytes >> 10} KiB or more sent as their own "
+                  f"messages ({self.message_s * 1e6:.1f} us each per end)")
         if self.cpu_cores:
             s += f", all ranks on {self.cpu_cores} CPU cores"
         if self.fabric_Bps:

@@ -22,7 +22,8 @@ program clock (its CPU), the end of its last network group, and its network grou
 * a forwarded bucket sorts one round after the network bucket that brought its data, behind the
   next round's network groups: the forwarder first completes its groups up to that bucket, so the
   next round's receives are in flight while it forwards;
-* CPU work per bucket end: `item_s` per item plus its copies: bytes of strided regions at
+* CPU work per bucket end: `item_s` per item (and `message_s` per message where items travel
+  as their own messages) plus its copies: bytes of strided regions at
   `copy_Bps`, of contiguous regions at `contig_copy_Bps`; network items in place (CPU wire
   format, `per_item_min_bytes`) copy nothing; every process first looks up its tensors' views
   (`tensor_s` each).
@@ -368,6 +369,8 @@ def _work(msgs: Messages, cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
         cs = np.where(net, msgs.nbytes - ss, cs)
         cr = np.where(net, msgs.nbytes - sr, cr)
     base = msgs.items * cluster.item_s
+    if cluster.per_item_min_bytes is not None and cluster.message_s:
+        base = base + np.where(msgs.per_item, msgs.items * cluster.message_s, 0.0)
     return (base + ss / cluster.copy_Bps + cs / cluster.contig_copy_Bps,
             base + sr / cluster.copy_Bps + cr / cluster.contig_copy_Bps)
 
