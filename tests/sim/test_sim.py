@@ -203,3 +203,15 @@ def test_sim_imports_no_ray_and_no_runtime():
     code = ("import sys, ray_reshard.sim; "
             "assert 'ray' not in sys.modules and 'ray_reshard.runtime' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_message_cost_only_for_items_sent_as_their_own():
+    """`message_s` is paid per item at both ends where items travel as their own messages
+    (the CPU wire format), and nowhere on a cluster that packs every bucket."""
+    p = _two_buckets()                        # one pair, one 8 MB item in one bucket
+    cl = BARE.with_(per_item_min_bytes=64 << 10)
+    base = simulate(p, cl, 8 << 20).predicted_s
+    assert simulate(p, cl.with_(message_s=1e-3), 8 << 20).predicted_s == pytest.approx(base + 2e-3)
+    packed = BARE.with_(message_s=1e-3)
+    assert simulate(p, packed, 8 << 20).predicted_s == pytest.approx(
+        simulate(p, BARE, 8 << 20).predicted_s)
