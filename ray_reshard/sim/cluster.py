@@ -94,12 +94,14 @@ PRESETS = {
     "gb200-nvl72": Cluster("gb200-nvl72", 72, 900 * GB, 400 / 8 * GB, latency_s=20e-6,
                            item_s=REPLAY_ITEM_S),
     # This machine's two simulated nodes (every rank shares 2 CPU cores): gloo over loopback as
-    # the network, shared-memory rings as the domain links. Figures measured by
+    # the network, shared-memory rings as the domain links (their rate without the copies,
+    # which are CPU work). Figures measured by
     # `python -m ray_reshard.bench.sim_calibrate` (see README); rerun it to refresh them.
-    "local": Cluster("local", 4, 6.63 * GB, 1.71 * GB, latency_s=0.385e-3, fabric_Bps=2.98 * GB,
-                     domain_fabric_Bps=6.63 * GB, refit_overhead_s=7.8e-3, copy_Bps=3.06 * GB,
-                     cpu_cores=2, broadcast="flat", per_item_min_bytes=64 << 10,
-                     ring_latency_s=0.0),
+    "local": Cluster("local", 4, 13.18 * GB, 1.34 * GB, latency_s=157e-6, ring_latency_s=281e-6,
+                     item_s=0.8e-6, tensor_s=2.1e-6, message_s=16.4e-6, fabric_Bps=3.16 * GB,
+                     domain_fabric_Bps=13.18 * GB, refit_overhead_s=11.1e-3, copy_Bps=7.03 * GB,
+                     contig_copy_Bps=15.52 * GB, cpu_cores=2, broadcast="flat",
+                     per_item_min_bytes=64 << 10),
 }
 
 
