@@ -18,7 +18,9 @@ program clock (its CPU), the end of its last network group, and its network grou
   one `latency_s`;
 * a domain (ring) bucket is packed by its sender into the receiver's slot over NVLink (the
   sender waits for it: NVLink send and receive ports of both ends are busy meanwhile, plus
-  `ring_latency_s`); the receiver takes it when it reaches that step and unpacks it;
+  `ring_latency_s`); the receiver takes it when it reaches that step and unpacks it (the what-if
+  `ring_recv="as_ready"` lets it take the bucket whenever it is there instead, without holding
+  up the rest of its program);
 * a forwarded bucket sorts one round after the network bucket that brought its data, behind the
   next round's network groups: the forwarder first completes its groups up to that bucket, so the
   next round's receives are in flight while it forwards;
@@ -315,13 +317,17 @@ def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
 
 def simulate(plan: Plan, cluster: Cluster, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
              mode: str = "auto", timeline_rank: Optional[tuple] = None,
-             exact_max_moves: int = 200_000, window: Optional[int] = None) -> SimResult:
+             exact_max_moves: int = 200_000, window: Optional[int] = None,
+             ring_recv: str = "in_order") -> SimResult:
     """Predict the refit time of `plan` on `cluster` (see the module docstring).
 
     `mode`: "exact" (replay the schedule), "aggregate" (per-pair byte counts per round) or
     "auto" (exact up to `exact_max_moves` moves). `window`: staged buckets in flight per
     process (default: the executor's, from `bucket_bytes`). `timeline_rank`: ("src"|"dst",
-    rank) whose rounds to report (default: the rank with the busiest link).
+    rank) whose rounds to report (default: the rank with the busiest link). `ring_recv`:
+    "in_order" (the executor: a ring receive waits for its bucket, in key order) or "as_ready"
+    (a what-if: ring buckets are taken whenever they arrive, without holding up the rest of the
+    receiver's program).
     """
     if mode not in ("auto", "exact", "aggregate"):
         raise ValueError(f"mode must be 'auto', 'exact' or 'aggregate', got {mode!r}")
@@ -329,10 +335,12 @@ def simulate(plan: Plan, cluster: Cluster, bucket_bytes: int = DEFAULT_BUCKET_BY
                                or not 1 <= window <= MAX_WINDOW):
         raise ValueError(f"window must be an int in 1..{MAX_WINDOW} (or None: the executor's "
                          f"default for bucket_bytes), got {window!r}")
+    if ring_recv not in ("in_order", "as_ready"):
+        raise ValueError(f"ring_recv must be 'in_order' or 'as_ready', got {ring_recv!r}")
     if mode == "auto":
         mode = "exact" if plan.stats.n_moves <= exact_max_moves else "aggregate"
     msgs = (messages_exact if mode == "exact" else messages_aggregate)(plan, bucket_bytes)
-    return replay(plan, msgs, cluster, bucket_bytes, timeline_rank, window)
+    return replay(plan, msgs, cluster, bucket_bytes, timeline_rank, window, ring_recv)
 
 
 def tensors_per_process(plan: Plan) -> np.ndarray:
@@ -376,7 +384,8 @@ def _work(msgs: Messages, cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
 
 
 def replay(plan: Plan, msgs: Messages, cluster: Cluster, bucket_bytes: int,
-           timeline_rank: Optional[tuple] = None, window: Optional[int] = None) -> SimResult:
+           timeline_rank: Optional[tuple] = None, window: Optional[int] = None,
+           ring_recv: str = "in_order") -> SimResult:
     n_src, world = _gpu(plan)
     st = plan.stats
     W = window or default_window(bucket_bytes)
@@ -399,7 +408,8 @@ def replay(plan: Plan, msgs: Messages, cluster: Cluster, bucket_bytes: int,
         side, r = timeline_rank
         g = r if side == "src" else n_src + r
 
-    cpu, rows = _replay_processes(msgs, cluster, W, world, send_work, recv_work, prep, g)
+    cpu, rows = _replay_processes(msgs, cluster, W, world, send_work, recv_work, prep, g,
+                                  ring_recv)
     replay_s = float(cpu.max()) if world else 0.0
 
     # Shared resources: all network bytes cross `fabric_Bps`, all domain bytes
@@ -440,7 +450,7 @@ def replay(plan: Plan, msgs: Messages, cluster: Cluster, bucket_bytes: int,
 
 
 def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, send_work,
-                      recv_work, prep, watch: int):
+                      recv_work, prep, watch: int, ring_recv: str = "in_order"):
     """Every process's program in the global key order (see the module docstring).
 
     Returns each process's finishing time and, for process `watch`, per round: (first start,
@@ -464,6 +474,8 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, send
     staged_r = (msgs.strided_recv + msgs.contig_recv).tolist()
     sw, rw = send_work.tolist(), recv_work.tolist()
     recv_seq = [-1] * len(rnd)
+    arrived = [0.0] * world                       # ring buckets taken as ready: last unpacked
+    rings_in_order = ring_recv == "in_order"
     rows: dict = {}
 
     def note(i, start, end, kind, own_work, link_s):
@@ -562,10 +574,13 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, send
             nv_s[s] = nv_r[r] = cpu[s] = t1
             if s == watch:
                 note(i, t0, t1, 2, sw[i], t1 - t0)
-            t_in = max(cpu[r], t1)
-            cpu[r] = t_in + rw[i]
+            if rings_in_order:
+                cpu[r] = max(cpu[r], t1) + rw[i]
+            else:                                   # what-if: taken whenever it is there
+                cpu[r] += rw[i]
+                arrived[r] = max(arrived[r], t1 + rw[i])
             if r == watch:
-                note(i, t0, cpu[r], 3, rw[i], t1 - t0)
+                note(i, t0, max(cpu[r], t1 + rw[i]), 3, rw[i], t1 - t0)
         else:                                       # a local copy
             cpu[s] += sw[i]
             cpu[r] = max(cpu[r], cpu[s]) + rw[i]
@@ -573,7 +588,9 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, send
     for p in range(world):
         while inflight[p]:
             pop(p)
-    return np.array(cpu), rows
+    return np.maximum(np.array(cpu), np.array(arrived)), rows
+
+
 def gather_broadcast_seconds(plan: Plan, cluster: Cluster,
                              bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> float:
     """Predicted time of the gather-broadcast strategy on the plan's ranks and domains.

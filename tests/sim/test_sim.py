@@ -215,3 +215,16 @@ def test_message_cost_only_for_items_sent_as_their_own():
     packed = BARE.with_(message_s=1e-3)
     assert simulate(p, packed, 8 << 20).predicted_s == pytest.approx(
         simulate(p, BARE, 8 << 20).predicted_s)
+
+
+def test_ring_receives_as_ready_what_if():
+    """Taking ring buckets as they arrive never holds a receiver up longer than taking them in
+    the schedule's order, and still cannot beat the links."""
+    p = _forwarding_plan()
+    for cl in (BARE, BARE.with_(item_s=20e-6, ring_latency_s=50e-6), preset("gb200-nvl72").with_(
+            gpus_per_domain=4)):
+        in_order = simulate(p, cl, 1 << 20, "exact")
+        as_ready = simulate(p, cl, 1 << 20, "exact", ring_recv="as_ready")
+        assert as_ready.bound_s <= as_ready.predicted_s <= in_order.predicted_s * (1 + 1e-9)
+    with pytest.raises(ValueError, match="ring_recv"):
+        simulate(p, BARE, 1 << 20, ring_recv="whenever")
