@@ -4,9 +4,12 @@
 
 On a local two-node Ray cluster (4 source actors on node A, 4 destination actors on node B):
 1. measure the link constants with primitive transfers: raw network bandwidth for one pair and
-   for 4 pairs at once (gloo over loopback), shared-memory bandwidth inside a node (a refit
-   whose moves all stay in the domain), the cost of a one-item refit round (latency) and the
-   extra cost per item (many small tensors);
+   for 4 pairs at once (gloo over loopback), the shared-memory ring inside a node (a refit
+   whose moves all stay in the domain, less its copies), the cost of a one-item refit round
+   (latency; the same inside a node: a ring transfer's fixed cost), the extra cost per item
+   (many small tensors), per message (the same bytes in 64 KiB items, each its own message, or
+   in one), and one core's copy rates out of
+   strided and contiguous regions into buffers that exist (as packing into staging does);
 2. refit several other layouts, sizes and tensor counts, and print the measured median next to
    the simulator's prediction for them with those constants (the plans are the ones the group
    runs; the simulator replays their schedules).
@@ -62,6 +65,32 @@ def _time_refits(group, specs, repeats: int) -> float:
     return min(runs)
 
 
+def copy_rates(repeats: int = 7) -> tuple[float, float]:
+    """Bytes per second of one core copying 32 MiB between buffers that already exist, as a
+    process packs into and unpacks out of its staging buffers and ring slots: out of a strided
+    region (the left half of a row-major [32768, 512] fp32 matrix: 1 KiB runs, as a column
+    slice of a tensor-parallel weight has: a few hundred bytes to a few KiB) and out of a
+    contiguous one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)                         # one process, one core
+    try:
+        x = torch.randn(32768, 512)
+        y = torch.empty(32768, 256)
+        z = torch.empty(32768 * 256)
+        out = []
+        for f in (lambda: y.copy_(x[:, :256]), lambda: z.copy_(x[:16384].reshape(-1))):
+            f()
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                f()
+                best = min(best, time.perf_counter() - t0)
+            out.append(y.numel() * 4 / best)
+        return out[0], out[1]
+    finally:
+        torch.set_num_threads(threads)
+
+
 def cases(mb: int):
     """(name, specs) of the layouts predicted after calibration."""
     tp4 = rr.Layout(_mesh1(range(N)), (rr.Shard(0),))
@@ -92,58 +121,83 @@ def main(argv=None) -> int:
     with local_cluster(2):
         src, dst = holders(N, 0), holders(N, 1)
         near = holders(N, 1)                         # beside the destinations: same domain
-        # --- constants
+        # --- constants: each the best of 3x as many runs as the cases (cheap, and on a shared
+        # machine the least disturbed run is the one that measures the primitive)
+        prim = 3 * args.repeats
         cores = os.cpu_count() or 1
         probe = 64 << 20
         with rr.ReshardGroup(src[:1], dst[:1]) as g1:
-            one = max(g1.raw_bandwidth(probe) for _ in range(args.repeats)) * 1e9
+            one = max(g1.raw_bandwidth(probe) for _ in range(prim)) * 1e9
         with rr.ReshardGroup(src, dst, bucket_bytes=bucket) as g:
-            fabric = max(g.raw_bandwidth(probe) for _ in range(args.repeats)) * 1e9
+            fabric = max(g.raw_bandwidth(probe) for _ in range(prim)) * 1e9
             tiny = _specs(1, N, 4, tp4, tp4)                # one item per rank, one round
             _fill(src, tiny, "src"), _fill(dst, tiny, "dst")
-            t_round = _time_refits(g, tiny, args.repeats * 3)
+            t_round = _time_refits(g, tiny, prim * 2)
             many = _specs(400, 16, 16, tp4, tp4)            # 400 tensors, 1 item each per pair
             _fill(src, many, "src"), _fill(dst, many, "dst")
-            t_many = _time_refits(g, many, args.repeats)
+            t_many = _time_refits(g, many, prim)
             cross = _specs(400, 16, 16, tp4, tp4c)          # 400 tensors, 4 items each per source
             _fill(src, cross, "src"), _fill(dst, cross, "dst")
-            t_cross = _time_refits(g, cross, args.repeats)
+            t_cross = _time_refits(g, cross, prim)
+            # the same 16 MiB as 64 tensors of 64 KiB items (each its own message, in place)
+            # or one tensor of one 4 MiB item per pair: the cost of 63 more messages per pair
+            msgs64 = _specs(64, N, 16384, tp4, tp4)
+            _fill(src, msgs64, "src"), _fill(dst, msgs64, "dst")
+            t_msgs64 = _time_refits(g, msgs64, prim)
+            msgs1 = _specs(1, N * 64, 16384, tp4, tp4)
+            _fill(src, msgs1, "src"), _fill(dst, msgs1, "dst")
+            t_msgs1 = _time_refits(g, msgs1, prim)
         # all ranks share the cores; an item is handled by its sender and its receiver, a
         # tensor's views are looked up by each of the 8 processes
         item_s = max(0.0, (t_cross - t_many) * cores / (400 * 3 * N * 2))
         tensor_s = max(0.0, ((t_many - t_round) * cores - 400 * N * 2 * item_s) / (400 * 2 * N))
+        message_s = max(0.0, ((t_msgs64 - t_msgs1) * cores - 63 * 2 * N * (item_s + tensor_s))
+                        / (63 * N * 2))
         with rr.ReshardGroup(src, dst, bucket_bytes=4096) as g4:
             rounds = 16                                      # one 16-chunk item per pair
             chunked = _specs(1, N * rounds, 1024, tp4, tp4)
             _fill(src, chunked, "src"), _fill(dst, chunked, "dst")
-            t_rounds = _time_refits(g4, chunked, args.repeats * 2)
+            t_rounds = _time_refits(g4, chunked, prim * 2)
         per_round_cpu = 2 * N * item_s / cores + 2 * N * tensor_s / cores / rounds
         latency = max(0.0, (t_rounds - t_round) / (rounds - 1) - per_round_cpu)
         overhead = max(0.0, t_round - latency - per_round_cpu)
-        x = torch.randn(2048, 8192)
-        copies = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            x[:, :4096].contiguous()
-            copies.append(time.perf_counter() - t0)
-        copy_bps = 2048 * 4096 * 4 / min(copies)
+        with rr.ReshardGroup(near, dst, bucket_bytes=4096) as gr:
+            # the same two refits inside one node: the fixed cost of one ring transfer
+            _fill(near, tiny, "src"), _fill(dst, tiny, "dst")
+            t_ring_round = _time_refits(gr, tiny, prim * 2)
+            _fill(near, chunked, "src"), _fill(dst, chunked, "dst")
+            t_ring_rounds = _time_refits(gr, chunked, prim * 2)
+        ring_latency = max(0.0, (t_ring_rounds - t_ring_round) / (rounds - 1) - per_round_cpu)
+        copy_bps, contig_bps = copy_rates()
         dom = _specs(8, 1024, max(256, 4 * (args.mb << 20) // 4 // 8 // 1024), tp4, tp4)
         with rr.ReshardGroup(near, dst, bucket_bytes=bucket) as gd:
             _fill(near, dom, "src"), _fill(dst, dom, "dst")
             assert gd.plan(dom).stats.domain_bytes == gd.plan(dom).stats.total_bytes
-            t_dom = _time_refits(gd, dom, args.repeats)
+            t_dom = _time_refits(gd, dom, prim)
+            dom_rounds = 1 + max(t.key[0] for t in gd.plan(dom).schedule(bucket).transfers)
         dom_bytes = sum(s.nbytes for s in dom.values())
-        domain_fabric = dom_bytes / max(1e-9, t_dom - t_round)
+        # a ring transfer is the sender's copy into the slot and the receiver's copy out of it
+        # (contiguous here), on the shared cores, plus the ring's own cost: the domain link
+        dom_copies = 2 * dom_bytes / contig_bps / cores
+        domain_fabric = dom_bytes / max(1e-4, t_dom - t_ring_round - dom_copies
+                                        - (dom_rounds - 1) * ring_latency)
         local = Cluster("local (measured now)", N, nvlink_Bps=domain_fabric, nic_Bps=one,
                         latency_s=latency, item_s=item_s, tensor_s=tensor_s, fabric_Bps=fabric,
                         domain_fabric_Bps=domain_fabric, refit_overhead_s=overhead,
-                        copy_Bps=copy_bps, cpu_cores=cores, broadcast="flat")
+                        copy_Bps=copy_bps, contig_copy_Bps=contig_bps, cpu_cores=cores,
+                        broadcast="flat", per_item_min_bytes=64 << 10, message_s=message_s,
+                        ring_latency_s=ring_latency)
         print("constants (measured with primitive transfers, not with the refits below):")
         print(f"  network one pair {one / 1e9:.2f} GB/s, 4 pairs together {fabric / 1e9:.2f} GB/s; "
-              f"shared memory in a node {domain_fabric / 1e9:.2f} GB/s")
+              f"shared-memory refit in a node {dom_bytes / (t_dom - t_ring_round) / 1e9:.2f} GB/s")
         print(f"  one-item refit {t_round * 1e3:.1f} ms = overhead {overhead * 1e3:.1f} ms + "
-              f"one round; per extra round {latency * 1e3:.2f} ms; per item {item_s * 1e6:.1f} us "
-              f"and {tensor_s * 1e6:.1f} us per tensor per process of CPU; strided copy {copy_bps / 1e9:.2f} GB/s; {cores} cores")
+              f"one round; per extra round {latency * 1e3:.2f} ms (in a node: "
+              f"{ring_latency * 1e3:.2f} ms); per item {item_s * 1e6:.1f} us "
+              f"and {tensor_s * 1e6:.1f} us per tensor per process of CPU; per message of an item "
+              f"sent as its own {message_s * 1e6:.1f} us per end")
+        print(f"  copies on one core: strided {copy_bps / 1e9:.2f} GB/s, contiguous "
+              f"{contig_bps / 1e9:.2f} GB/s; {cores} cores; the domain link without its copies "
+              f"{domain_fabric / 1e9:.2f} GB/s")
         print(f"  -> {local.describe()}\n")
 
         print(f"{'case':<38} {'MB':>6} {'items':>6} {'measured s':>10} {'predicted s':>11} "

@@ -6,7 +6,8 @@ For each published row: the published reshard (and gather-broadcast or direct) f
 predicted reshard time, the bound, our direct point-to-point and gather_broadcast predictions.
 Layout details the publications leave out are filled in as printed (e.g. Megatron's data
 parallel size from the GPU count). `ours` uses the executor's measured per-item and per-tensor
-CPU costs; `links` sets them to zero (what a schedule limited only by its links would take).
+CPU costs; `links` sets them to zero (what the executor's ordering of the schedule takes when
+only links limit each step).
 """
 from __future__ import annotations
 

@@ -48,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mode", default="auto", choices=("auto", "exact", "aggregate"),
                     help="exact: replay the schedule's buckets; aggregate: per-pair bytes per "
                          "round (fast at any scale); auto: exact for small plans")
+    ap.add_argument("--window", type=int, default=None,
+                    help="staged buckets in flight per process (default: the executor's, as "
+                         "many as fit in 128 MiB, 2 to 16)")
+    ap.add_argument("--ring-recv", default="in_order", choices=("in_order", "as_ready"),
+                    help="in_order: ring (domain) receives wait in the schedule's order, as the "
+                         "executor does; as_ready: what-if, taken whenever they arrive")
     ap.add_argument("--gpus-per-domain", type=int)
     ap.add_argument("--nvlink-gbps", type=float, help="NVLink GB/s per GPU per direction")
     ap.add_argument("--nic-gbit", type=float, help="NIC Gb/s per GPU per direction")
@@ -73,6 +79,8 @@ def run(args) -> dict:
         latency_s=None if args.latency_us is None else args.latency_us * 1e-6,
         item_s=None if args.item_us is None else args.item_us * 1e-6,
         tensor_s=None if args.tensor_us is None else args.tensor_us * 1e-6)
+    if args.window is not None and not 1 <= args.window <= 16:
+        raise ValueError(f"--window must be in 1..16, got {args.window}")
     if args.bucket_mb <= 0:
         raise ValueError(f"--bucket-mb must be positive, got {args.bucket_mb}")
     if args.dtype.lower() not in DTYPES:
@@ -95,16 +103,19 @@ def run(args) -> dict:
     g = cl.gpus_per_domain
     p = make_plan(specs, [("train", r // g) for r in range(train.world)],
                   [("infer", r // g) for r in range(infer.world)])
-    res = simulate(p, cl, bucket, args.mode, timeline)
+    res = simulate(p, cl, bucket, args.mode, timeline, window=args.window,
+                   ring_recv=args.ring_recv)
     gb = gather_broadcast_seconds(p, cl, bucket)
     # direct point-to-point: every rank its own domain, so no de-duplication inside domains
     direct_plan = make_plan(specs, n_src=train.world, n_dst=infer.world)
-    direct = simulate(direct_plan, cl.with_(gpus_per_domain=1), bucket, args.mode)
+    direct = simulate(direct_plan, cl.with_(gpus_per_domain=1), bucket, args.mode,
+                      window=args.window, ring_recv=args.ring_recv)
     out = res.as_dict()
     out.update(model=title, train=str(train), infer=str(infer), tensors=len(specs),
                total_bytes=p.stats.total_bytes, gather_broadcast_s=gb,
                gather_broadcast_bytes=p.stats.gather_broadcast_bytes,
-               direct_s=direct.predicted_s, direct_network_bytes=direct.network_bytes,
+               direct_s=direct.predicted_s, ring_recv=args.ring_recv,
+               direct_network_bytes=direct.network_bytes,
                cluster_description=cl.describe(), wall_s=time.perf_counter() - t0)
     return out
 
@@ -117,11 +128,13 @@ def render(o: dict) -> str:
         f"cluster {o['cluster_description']}",
         f"network {gbs(o['network_bytes'])} (lower bound {gbs(o['min_network_bytes'])}), "
         f"NVLink {gbs(o['domain_bytes'])}; {o['messages']} buckets in {o['rounds']} rounds "
-        f"of {o['bucket_bytes'] / 2**20:.0f} MiB"
+        f"of {o['bucket_bytes'] / 2**20:.0f} MiB, window {o['window']}"
         + (" (aggregate: per-pair byte counts per round, not the schedule's own buckets)"
            if o["mode"] == "aggregate" else " (the schedule's buckets)"),
         "",
-        f"reshard            predicted {o['predicted_s']:8.3f} s",
+        f"reshard            predicted {o['predicted_s']:8.3f} s"
+        + ("  (what-if: ring receives taken as they arrive)" if o["ring_recv"] == "as_ready"
+           else ""),
         f"  bound            {o['bound_s']:8.3f} s  (busiest NIC {o['nic_bound_s']:.3f} s, "
         f"busiest NVLink {o['nvlink_bound_s']:.3f} s); predicted / bound = "
         f"{o['predicted_s'] / o['bound_s'] if o['bound_s'] else float('nan'):.2f}",

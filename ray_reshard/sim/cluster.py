@@ -34,23 +34,29 @@ class Cluster:
     gpus_per_domain: int
     nvlink_Bps: float
     nic_Bps: float
-    latency_s: float = 20e-6
+    latency_s: float = 20e-6            # per network group a process posts
+    ring_latency_s: float = 20e-6       # per ring transfer (the sender's stream sync, publish)
     item_s: float = MEASURED_ITEM_S
     tensor_s: float = MEASURED_TENSOR_S  # per tensor per process taking part (views, checks)
     fabric_Bps: Optional[float] = None
     domain_fabric_Bps: Optional[float] = None
     refit_overhead_s: float = 5e-3      # the driver's one call per process of a refit
-    copy_Bps: float = 1000 * GB         # staging copies of strided items, per rank
+    copy_Bps: float = 1000 * GB         # staging copies of strided regions, per rank
+    contig_copy_Bps: float = 1000 * GB  # staging copies of contiguous regions, per rank
+    message_s: float = 0.0              # CPU per message of an item sent as its own, per end
+    per_item_min_bytes: Optional[int] = None  # CPU wire format: network items this large travel
+                                              # as their own messages (None: buckets packed)
     cpu_cores: Optional[int] = None     # ranks share this many cores (None: each its own)
     broadcast: str = "ring"             # "ring": pipelined (NCCL); "flat": root sends each copy (gloo)
 
     def __post_init__(self):
         if self.gpus_per_domain < 1:
             raise ValueError(f"gpus_per_domain must be >= 1, got {self.gpus_per_domain}")
-        for n in ("nvlink_Bps", "nic_Bps"):
+        for n in ("nvlink_Bps", "nic_Bps", "copy_Bps", "contig_copy_Bps"):
             if not getattr(self, n) > 0:
                 raise ValueError(f"{n} must be positive, got {getattr(self, n)}")
-        for n in ("latency_s", "item_s", "tensor_s", "refit_overhead_s"):
+        for n in ("latency_s", "ring_latency_s", "item_s", "tensor_s", "refit_overhead_s",
+                  "message_s"):
             if getattr(self, n) < 0:
                 raise ValueError(f"{n} must be >= 0, got {getattr(self, n)}")
 
@@ -61,10 +67,15 @@ class Cluster:
         s = (f"{self.name}: {self.gpus_per_domain} GPUs per NVLink domain, NVLink "
              f"{self.nvlink_Bps / GB:.0f} GB/s and NIC {self.nic_Bps / GB:.1f} GB/s "
              f"({self.nic_Bps * 8 / GB:.0f} Gb/s) per GPU per direction, "
-             f"{self.latency_s * 1e6:.0f} us per message, {self.item_s * 1e6:.0f} us per item, "
-             f"{self.tensor_s * 1e6:.0f} us per tensor per process")
+             f"{self.latency_s * 1e6:.0f} us per network group, "
+             f"{self.ring_latency_s * 1e6:.0f} us per ring transfer, {self.item_s * 1e6:.1f} us per item, "
+             f"{self.tensor_s * 1e6:.1f} us per tensor per process")
         s += (f", {self.refit_overhead_s * 1e3:.1f} ms per refit, staging copies "
-              f"{self.copy_Bps / GB:.1f} GB/s")
+              f"{self.copy_Bps / GB:.1f} GB/s strided, {self.contig_copy_Bps / GB:.1f} GB/s "
+              f"contiguous")
+        if self.per_item_min_bytes is not None:
+            s += (f", items of {self.per_item_min_bytes >> 10} KiB or more sent as their own "
+                  f"messages ({self.message_s * 1e6:.1f} us each per end)")
         if self.cpu_cores:
             s += f", all ranks on {self.cpu_cores} CPU cores"
         if self.fabric_Bps:
@@ -83,11 +94,14 @@ PRESETS = {
     "gb200-nvl72": Cluster("gb200-nvl72", 72, 900 * GB, 400 / 8 * GB, latency_s=20e-6,
                            item_s=REPLAY_ITEM_S),
     # This machine's two simulated nodes (every rank shares 2 CPU cores): gloo over loopback as
-    # the network, shared-memory rings as the domain links. Figures measured by
+    # the network, shared-memory rings as the domain links (their rate without the copies,
+    # which are CPU work). Figures measured by
     # `python -m ray_reshard.bench.sim_calibrate` (see README); rerun it to refresh them.
-    "local": Cluster("local", 4, 6.63 * GB, 1.71 * GB, latency_s=0.385e-3, fabric_Bps=2.98 * GB,
-                     domain_fabric_Bps=6.63 * GB, refit_overhead_s=7.8e-3, copy_Bps=3.06 * GB,
-                     cpu_cores=2, broadcast="flat"),
+    "local": Cluster("local", 4, 13.18 * GB, 1.34 * GB, latency_s=157e-6, ring_latency_s=281e-6,
+                     item_s=0.8e-6, tensor_s=2.1e-6, message_s=16.4e-6, fabric_Bps=3.16 * GB,
+                     domain_fabric_Bps=13.18 * GB, refit_overhead_s=11.1e-3, copy_Bps=7.03 * GB,
+                     contig_copy_Bps=15.52 * GB, cpu_cores=2, broadcast="flat",
+                     per_item_min_bytes=64 << 10),
 }
 
 

@@ -2,25 +2,51 @@
 
 Model
 -----
-The executor runs every process's transfers in one global key order whose first field is the
-bucket round (the k-th bucket of every sender/receiver pair; a forwarded bucket runs one round
-after the network bucket it passes on). The simulator replays that order round by round:
+Every process runs its share of the schedule in the global key order (round, path, rotation,
+...), as the executor does; the simulator walks that order once and keeps per process a
+program clock (its CPU), the end of its last network group, and its network groups in flight:
 
-* a round's transfers share links: each GPU's NIC carries its network sends in one direction
-  and its receives in the other; its NVLink port likewise carries domain transfers;
-* a round lasts as long as its busiest link needs for its bytes (or the whole fabric, where a
-  cluster caps it), or as long as the busiest rank's CPU work on its items, whichever is
-  longer, plus one message latency; rounds run one after another.
+* network buckets are posted in groups: a run of keys with the same round and the same span of
+  `window // 2` rotations (on a CPU cluster, a bucket whose items all travel as their own
+  messages is its own group). Posting needs a staging buffer per packed bucket; with `window`
+  buffers (or `4 * window` messages) in use the process first completes its oldest group, then
+  unpacks it. Packing runs on the process's clock before the post;
+* a process's groups run one after another (one NCCL stream), a group starts once its process
+  posted it and the previous one ended; its messages move together: each ends once both its
+  ends' groups started and its bytes moved, no sooner than its sender's (receiver's) bytes of
+  the group could leave (arrive) at the NIC's rate; a group ends with its last message plus
+  one `latency_s`;
+* a domain (ring) bucket is packed by its sender into the receiver's slot over NVLink (the
+  sender waits for it: NVLink send and receive ports of both ends are busy meanwhile, plus
+  `ring_latency_s`); the receiver takes it when it reaches that step and unpacks it (the what-if
+  `ring_recv="as_ready"` lets it take the bucket whenever it is there instead, without holding
+  up the rest of its program);
+* a forwarded bucket sorts one round after the network bucket that brought its data, behind the
+  next round's network groups: the forwarder first completes its groups up to that bucket, so the
+  next round's receives are in flight while it forwards;
+* CPU work per bucket end: `item_s` per item (and `message_s` per message where items travel
+  as their own messages) plus its copies: bytes of strided regions at
+  `copy_Bps`, of contiguous regions at `contig_copy_Bps`; network items in place (CPU wire
+  format, `per_item_min_bytes`) copy nothing; every process first looks up its tensors' views
+  (`tensor_s` each).
 
-Two ways to get the rounds: `exact` walks `Plan.schedule(bucket_bytes).transfers` (the buckets
-the executor runs); `aggregate` sums each (sender, receiver, path) pair's bytes and items from
-the plan's moves and cuts them into buckets of `bucket_bytes` the way the schedule does, which
-avoids building the schedule (millions of items at DeepSeek-V3 scale). Both give the same
-per-round byte counts up to how items pack into buckets.
+The replay ends when every process has completed and unpacked everything. Where the cluster
+caps the sum over all links (`fabric_Bps`, `domain_fabric_Bps`) the refit takes at least those
+bytes over that rate; where ranks share `cpu_cores`, those fabrics are the same cores (loopback
+sockets, shared-memory copies), so fabric time and all ranks' CPU work add up into one floor.
+Predicted = max(replay, floor) + `refit_overhead_s`.
+
+Two ways to get the buckets: `exact` walks `Plan.schedule(bucket_bytes).transfers` (the buckets
+the executor runs); `aggregate` sums each (sender, receiver, path) pair's bytes, items and
+copies from the plan's moves and cuts them into buckets of `bucket_bytes` the way the schedule
+does (a forwarded pair's bytes spread over the buckets of the network pair that brings them),
+in the same key order, which avoids building the schedule (millions of items at DeepSeek-V3
+scale). Both give the same byte counts per round up to how items pack into buckets; a
+forward waits for all of its forwarder's older groups in the aggregate replay.
 
 The bound is what no schedule can beat on this plan: the busiest NIC's bytes over its
-bandwidth, and the same for NVLink. `balanced_bound_s` is the network lower bound spread
-perfectly over every destination NIC.
+bandwidth, the same for NVLink, and the fabrics' caps. `balanced_bound_s` is the network lower
+bound spread perfectly over every destination NIC.
 
 gather_broadcast follows the runtime's strategy: per tensor, a ring all-gather among one replica
 of each source shard, then a pipelined broadcast of the whole tensor from one source to every
@@ -29,41 +55,66 @@ destination rank holding a part, tensor after tensor.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 
-from ..core.plan import DEFAULT_BUCKET_BYTES, Plan
+from ..core.plan import DEFAULT_BUCKET_BYTES, Plan, parent_key
 from ..core.planner import DOMAIN, LOCAL, NETWORK
 from .cluster import Cluster
 
-PATH_CODE = {NETWORK: 0, DOMAIN: 1, LOCAL: 2}
+PATH_CODE = {NETWORK: 0, DOMAIN: 1, LOCAL: 2}   # also the key's order of the paths
+FORWARD_ORDER = 3                                # a forwarded bucket's order in its key
 
 
 @dataclass
 class Messages:
-    """One row per bucket: round, sending GPU, receiving GPU, path code, bytes, items."""
+    """One row per bucket, in the schedule's global order.
+
+    `order` is the key's second field (0 network, 1 domain, 2 local, 3 forwarded); `parent` is
+    the row of the network bucket a forwarded one passes on (-1: none, or unknown in the
+    aggregate replay). Copied bytes per end: `strided_*` out of or into a strided region of the
+    local shard, `contig_*` a contiguous one; the rest of a bucket's bytes move in place when
+    `per_item` (a network bucket whose items all travel as their own messages on CPU).
+    """
 
     round: np.ndarray
+    order: np.ndarray
     sender: np.ndarray
     receiver: np.ndarray
     path: np.ndarray
     nbytes: np.ndarray
     items: np.ndarray
-    staged_send: np.ndarray        # bytes the sender copies (packs) rather than sends in place
-    staged_recv: np.ndarray        # bytes the receiver copies out of a staging buffer
+    strided_send: np.ndarray
+    strided_recv: np.ndarray
+    contig_send: np.ndarray
+    contig_recv: np.ndarray
+    per_item: np.ndarray
+    parent: np.ndarray
     mode: str
 
 
-# Network items at least this large move in place when contiguous (the executor's per-item
-# messages); smaller ones, strided ones and every domain (ring) transfer are copied.
+# Network items at least this large travel as their own messages on CPU devices (the
+# executor's wire format, `core.program.PER_ITEM_MIN_BYTES`), in place when contiguous; smaller
+# ones, strided ones and every domain (ring) transfer are copied.
 IN_PLACE_MIN_BYTES = 64 << 10
+
+# The executor's default window (`runtime.executor.default_window`): staged buckets in flight
+# per process, as many as fit in 128 MiB, 2 to 16. Repeated here: the simulator imports no
+# runtime code.
+STAGING_BYTES = 128 << 20
+MAX_WINDOW = 16
+
+
+def default_window(bucket_bytes: int) -> int:
+    return max(2, min(MAX_WINDOW, STAGING_BYTES // max(1, bucket_bytes)))
 
 
 class _Staging:
-    """Which bytes of an item each end must copy: strided in its local shard, small, or ring."""
+    """How each end of an item moves its bytes: in place, or copied from/to a strided or a
+    contiguous region of its local shard."""
 
     def __init__(self, plan: Plan):
         self.plan = plan
@@ -89,12 +140,14 @@ class _Staging:
         return True
 
     def __call__(self, ti: int, box, nbytes: int, src_side: str, src_rank: int, dst_rank: int,
-                 path_code: int) -> tuple[int, int]:
-        if path_code != 0 or nbytes < IN_PLACE_MIN_BYTES:
-            return nbytes, nbytes
-        s = 0 if self._contiguous(box, self._holder(ti, src_side, src_rank)) else nbytes
-        r = 0 if self._contiguous(box, self._holder(ti, "dst", dst_rank)) else nbytes
-        return s, r
+                 path_code: int) -> tuple[int, int, int, int]:
+        """(strided sent, contiguous sent, strided received, contiguous received) bytes copied."""
+        cs = self._contiguous(box, self._holder(ti, src_side, src_rank))
+        cr = self._contiguous(box, self._holder(ti, "dst", dst_rank))
+        in_place = path_code == 0 and nbytes >= IN_PLACE_MIN_BYTES
+        s = (0, 0) if in_place and cs else ((0, nbytes) if cs else (nbytes, 0))
+        r = (0, 0) if in_place and cr else ((0, nbytes) if cr else (nbytes, 0))
+        return s[0], s[1], r[0], r[1]
 
 
 @dataclass
@@ -115,16 +168,20 @@ class SimResult:
     busiest_links: list = field(default_factory=list)    # (name, bytes, seconds at full rate)
     timeline: list = field(default_factory=list)         # one rank: per round
     timeline_rank: str = ""
-    cpu_s: float = 0.0                                    # rounds where CPU work was the limit
+    cpu_s: float = 0.0          # the busiest process's CPU work (items, copies, view lookups)
+    window: int = 2
+    replay_s: float = 0.0       # the per-process replay alone
+    shared_s: float = 0.0       # what shared cores / fabrics need at least (0: none shared)
 
     def as_dict(self) -> dict:
         return {
             "cluster": self.cluster.name, "mode": self.mode, "bucket_bytes": self.bucket_bytes,
-            "predicted_s": self.predicted_s, "bound_s": self.bound_s,
+            "window": self.window, "predicted_s": self.predicted_s, "bound_s": self.bound_s,
             "nic_bound_s": self.nic_bound_s, "nvlink_bound_s": self.nvlink_bound_s,
             "balanced_bound_s": self.balanced_bound_s, "network_bytes": self.network_bytes,
             "min_network_bytes": self.min_network_bytes, "domain_bytes": self.domain_bytes,
-            "rounds": self.rounds, "messages": self.messages,
+            "rounds": self.rounds, "messages": self.messages, "cpu_s": self.cpu_s,
+            "replay_s": self.replay_s, "shared_s": self.shared_s,
             "busiest_links": [{"link": n, "bytes": b, "seconds": s} for n, b, s in self.busiest_links],
             "timeline_rank": self.timeline_rank, "timeline": self.timeline,
         }
@@ -140,29 +197,39 @@ def messages_exact(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Mess
     n_src, _ = _gpu(plan)
     ts = plan.schedule(bucket_bytes).transfers
     n = len(ts)
-    rnd, snd, rcv, pth, nb, it, ss, sr = (np.empty(n, dtype=np.int64) for _ in range(8))
+    cols = [np.empty(n, dtype=np.int64) for _ in range(12)]
+    rnd, order, snd, rcv, pth, nb, it, ss, sr, cs, cr, parent = cols
+    per_item = np.zeros(n, dtype=bool)
     staging = _Staging(plan)
     isz = [spec.itemsize for spec in plan.specs]
+    row_of: dict = {}
     for i, t in enumerate(ts):
-        rnd[i] = t.key[0]
+        rnd[i], order[i] = t.key[0], t.key[1]
         snd[i] = t.src.rank if t.src.side == "src" else n_src + t.src.rank
         rcv[i] = n_src + t.dst
         pth[i] = code = PATH_CODE[t.path]
         nb[i] = t.nbytes
         it[i] = len(t.items)
-        a = b = 0
+        acc = [0, 0, 0, 0]
+        smallest = None
         for item in t.items:
-            x, y = staging(item.tensor, item.box, item.box.numel * isz[item.tensor], t.src.side,
-                           t.src.rank, t.dst, code)
-            a += x
-            b += y
-        ss[i], sr[i] = a, b
-    return Messages(rnd, snd, rcv, pth, nb, it, ss, sr, "exact")
+            nbytes = item.box.numel * isz[item.tensor]
+            smallest = nbytes if smallest is None else min(smallest, nbytes)
+            for j, v in enumerate(staging(item.tensor, item.box, nbytes, t.src.side,
+                                          t.src.rank, t.dst, code)):
+                acc[j] += v
+        ss[i], cs[i], sr[i], cr[i] = acc
+        per_item[i] = code == 0 and smallest is not None and smallest >= IN_PLACE_MIN_BYTES
+        if code == 0:
+            row_of[t.key] = i
+        parent[i] = row_of.get(parent_key(t), -1) if t.key[1] == FORWARD_ORDER else -1
+    return Messages(rnd, order, snd, rcv, pth, nb, it, ss, sr, cs, cr, per_item, parent, "exact")
 
 
 def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Messages:
-    """Per (sender, receiver, path) byte and item totals cut into rounds of bucket_bytes."""
-    n_src, _ = _gpu(plan)
+    """Per (sender, receiver, path) byte and item totals cut into buckets of bucket_bytes, in
+    the schedule's key order (round, order, rotation, sender, receiver)."""
+    n_src, world = _gpu(plan)
     uses: dict[int, list] = {}
     for tp in plan.tensor_plans:
         u = uses.get(id(tp))
@@ -174,62 +241,106 @@ def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
     for ti, tp in enumerate(plan.tensor_plans):
         first_use.setdefault(id(tp), ti)
     staging = _Staging(plan)
-    pairs: dict[tuple, list] = defaultdict(lambda: [0, 0, 0, 0])
+    # per (sender, receiver, path, parent) - parent: for a forwarded piece the source whose
+    # network bucket brought it in, else -1 - bytes, items, strided sent, contiguous sent,
+    # strided received, contiguous received, smallest move
+    pairs: dict[tuple, list] = defaultdict(lambda: [0, 0, 0, 0, 0, 0, 1 << 62])
     for key, (tp, count) in uses.items():
         isz = tp.itemsize
         ti = first_use[key]
-        per = defaultdict(lambda: [0, 0, 0, 0])
+        per = defaultdict(lambda: [0, 0, 0, 0, 0, 0, 1 << 62])
+        brought_by = {(m.dst, m.box): m.src.rank for m in tp.moves
+                      if m.path == NETWORK and m.src.side == "src"}
         for m in tp.moves:
-            s = m.src.rank if m.src.side == "src" else n_src + m.src.rank
+            forwarded = m.src.side == "dst"
+            s = n_src + m.src.rank if forwarded else m.src.rank
+            parent = brought_by.get((m.src.rank, m.box), -1) if forwarded else -1
             code = PATH_CODE[m.path]
-            e = per[(s, n_src + m.dst, code, m.src.side == "dst")]
+            e = per[(s, n_src + m.dst, code, parent)]
             nbytes = m.box.numel * isz
-            a, b = staging(ti, m.box, nbytes, m.src.side, m.src.rank, m.dst, code)
+            a = staging(ti, m.box, nbytes, m.src.side, m.src.rank, m.dst, code)
             e[0] += nbytes
             e[1] += 1
-            e[2] += a
-            e[3] += b
+            e[2] += a[0]
+            e[3] += a[1]
+            e[4] += a[2]
+            e[5] += a[3]
+            e[6] = min(e[6], nbytes)
         for k, v in per.items():
             e = pairs[k]
-            for j in range(4):
+            for j in range(6):
                 e[j] += count * v[j]
+            e[6] = min(e[6], v[6])
     if not pairs:
         z = np.zeros(0, dtype=np.int64)
-        return Messages(z, z, z, z, z, z, z, z, "aggregate")
-    keys = np.array([k[:3] + (int(k[3]),) for k in pairs], dtype=np.int64)
-    tot = np.array([v[0] for v in pairs.values()], dtype=np.int64)
-    items = np.array([v[1] for v in pairs.values()], dtype=np.int64)
+        return Messages(z, z, z, z, z, z, z, z, z, z, z, z.astype(bool), z, "aggregate")
+    keys = np.array(list(pairs), dtype=np.int64)
+    vals = np.array(list(pairs.values()), dtype=np.int64)
+    tot, items = vals[:, 0], vals[:, 1]
     nbk = np.maximum(1, -(-tot // bucket_bytes))
+    fwd = keys[:, 3] >= 0
+    # A forwarded piece travels in the forward of the network bucket that brought it: spread
+    # each (source, forwarder, target) total evenly over that network pair's buckets.
+    net_nbk = {(int(a), int(b)): int(n) for (a, b, c, _), n in zip(keys, nbk) if c == 0}
+    spread = np.array([net_nbk.get((int(k[3]), int(k[0])), 0) if f else 0
+                       for k, f in zip(keys, fwd)], dtype=np.int64)
+    nbk = np.where(fwd & (spread > 0), spread, nbk)
+    even = fwd & (spread > 0)
     rep = np.repeat(np.arange(len(tot)), nbk)
     first = np.cumsum(nbk) - nbk
     k_in_pair = np.arange(len(rep)) - first[rep]
     last = k_in_pair == nbk[rep] - 1
-    nbytes = np.where(last, tot[rep] - (nbk[rep] - 1) * bucket_bytes, bucket_bytes)
+    n, t = nbk[rep], tot[rep]
+    nbytes = np.where(even[rep], t // n + (k_in_pair < t % n),
+                      np.where(last, t - (n - 1) * bucket_bytes, bucket_bytes))
     # items spread evenly over a pair's buckets (each bucket holds at least one)
-    it = np.maximum(1, items[rep] // nbk[rep] + (k_in_pair < items[rep] % nbk[rep]))
-    forwarded = keys[rep, 3]
-    share = nbytes / tot[rep].clip(min=1)
-    ss = (np.array([v[2] for v in pairs.values()], dtype=np.float64)[rep] * share).astype(np.int64)
-    sr = (np.array([v[3] for v in pairs.values()], dtype=np.float64)[rep] * share).astype(np.int64)
-    return Messages(k_in_pair + forwarded, keys[rep, 0], keys[rep, 1], keys[rep, 2], nbytes, it,
-                    ss, sr, "aggregate")
+    it = np.maximum(1, items[rep] // n + (k_in_pair < items[rep] % n))
+    share = nbytes / t.clip(min=1)
+    copied = [(vals[rep, j].astype(np.float64) * share).astype(np.int64) for j in (2, 3, 4, 5)]
+    path = keys[rep, 2]
+    forwarded = fwd[rep]
+    rnd = k_in_pair + forwarded
+    order = np.where(forwarded, FORWARD_ORDER, path)
+    snd, rcv, par = keys[rep, 0], keys[rep, 1], keys[rep, 3]
+    per_item = (path == 0) & (vals[rep, 6] >= IN_PLACE_MIN_BYTES)
+    # the schedule's key: a forward sorts by its network bucket's rotation, source, forwarder,
+    # then its target
+    first_s = np.where(forwarded & (par >= 0), par, snd)
+    first_r = np.where(forwarded & (par >= 0), snd, rcv)
+    rot = (first_r - first_s) % world
+    last_r = np.where(forwarded, rcv, -1)
+    o = np.lexsort((last_r, first_r, first_s, rot, order, rnd))
+    return Messages(rnd[o], order[o], snd[o], rcv[o], path[o], nbytes[o], it[o], copied[0][o],
+                    copied[2][o], copied[1][o], copied[3][o], per_item[o],
+                    np.full(len(o), -1, dtype=np.int64), "aggregate")
 
 
 def simulate(plan: Plan, cluster: Cluster, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
              mode: str = "auto", timeline_rank: Optional[tuple] = None,
-             exact_max_moves: int = 200_000) -> SimResult:
+             exact_max_moves: int = 200_000, window: Optional[int] = None,
+             ring_recv: str = "in_order") -> SimResult:
     """Predict the refit time of `plan` on `cluster` (see the module docstring).
 
     `mode`: "exact" (replay the schedule), "aggregate" (per-pair byte counts per round) or
-    "auto" (exact up to `exact_max_moves` moves). `timeline_rank`: ("src"|"dst", rank) whose
-    rounds to report (default: the rank with the busiest link).
+    "auto" (exact up to `exact_max_moves` moves). `window`: staged buckets in flight per
+    process (default: the executor's, from `bucket_bytes`). `timeline_rank`: ("src"|"dst",
+    rank) whose rounds to report (default: the rank with the busiest link). `ring_recv`:
+    "in_order" (the executor: a ring receive waits for its bucket, in key order) or "as_ready"
+    (a what-if: ring buckets are taken whenever they arrive, without holding up the rest of the
+    receiver's program).
     """
     if mode not in ("auto", "exact", "aggregate"):
         raise ValueError(f"mode must be 'auto', 'exact' or 'aggregate', got {mode!r}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or not 1 <= window <= MAX_WINDOW):
+        raise ValueError(f"window must be an int in 1..{MAX_WINDOW} (or None: the executor's "
+                         f"default for bucket_bytes), got {window!r}")
+    if ring_recv not in ("in_order", "as_ready"):
+        raise ValueError(f"ring_recv must be 'in_order' or 'as_ready', got {ring_recv!r}")
     if mode == "auto":
         mode = "exact" if plan.stats.n_moves <= exact_max_moves else "aggregate"
     msgs = (messages_exact if mode == "exact" else messages_aggregate)(plan, bucket_bytes)
-    return replay(plan, msgs, cluster, bucket_bytes, timeline_rank)
+    return replay(plan, msgs, cluster, bucket_bytes, timeline_rank, window, ring_recv)
 
 
 def tensors_per_process(plan: Plan) -> np.ndarray:
@@ -256,83 +367,228 @@ def _link_names(n_src: int, world: int) -> list[str]:
     return [f"{who(g)} {k}" for k in kinds for g in range(world)]
 
 
+def _work(msgs: Messages, cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
+    """CPU seconds per bucket at its sender and at its receiver: per item, plus its copies (on
+    a device without per-item messages every network byte is staged, contiguous or not)."""
+    ss, cs = msgs.strided_send.astype(np.float64), msgs.contig_send.astype(np.float64)
+    sr, cr = msgs.strided_recv.astype(np.float64), msgs.contig_recv.astype(np.float64)
+    if cluster.per_item_min_bytes is None:
+        net = msgs.path == PATH_CODE[NETWORK]
+        cs = np.where(net, msgs.nbytes - ss, cs)
+        cr = np.where(net, msgs.nbytes - sr, cr)
+    base = msgs.items * cluster.item_s
+    if cluster.per_item_min_bytes is not None and cluster.message_s:
+        base = base + np.where(msgs.per_item, msgs.items * cluster.message_s, 0.0)
+    return (base + ss / cluster.copy_Bps + cs / cluster.contig_copy_Bps,
+            base + sr / cluster.copy_Bps + cr / cluster.contig_copy_Bps)
+
+
 def replay(plan: Plan, msgs: Messages, cluster: Cluster, bucket_bytes: int,
-           timeline_rank: Optional[tuple] = None) -> SimResult:
+           timeline_rank: Optional[tuple] = None, window: Optional[int] = None,
+           ring_recv: str = "in_order") -> SimResult:
     n_src, world = _gpu(plan)
-    L = 4 * world
     st = plan.stats
-    bw = np.concatenate([np.full(2 * world, cluster.nic_Bps), np.full(2 * world, cluster.nvlink_Bps)])
+    W = window or default_window(bucket_bytes)
     net = msgs.path == PATH_CODE[NETWORK]
     dom = msgs.path == PATH_CODE[DOMAIN]
     R = int(msgs.round.max()) + 1 if len(msgs.round) else 0
+    send_work, recv_work = _work(msgs, cluster)
+    prep = tensors_per_process(plan) * cluster.tensor_s
 
-    def per_round_link(mask, base_s, base_r):
-        idx_s = msgs.round[mask] * L + base_s + msgs.sender[mask]
-        idx_r = msgs.round[mask] * L + base_r + msgs.receiver[mask]
+    total = np.zeros(4 * world)
+    for mask, base_s, base_r in ((net, 0, world), (dom, 2 * world, 3 * world)):
         w = msgs.nbytes[mask].astype(np.float64)
-        return (np.bincount(idx_s, w, minlength=R * L) + np.bincount(idx_r, w, minlength=R * L))
-
-    link_bytes = (per_round_link(net, 0, world) + per_round_link(dom, 2 * world, 3 * world)
-                  ).reshape(R, L)
-    link_t = (link_bytes / bw[None, :]).max(axis=1) if R else np.zeros(0)
-    if cluster.fabric_Bps:
-        link_t = np.maximum(link_t, np.bincount(msgs.round[net], msgs.nbytes[net].astype(float),
-                                                minlength=R) / cluster.fabric_Bps)
-    if cluster.domain_fabric_Bps:
-        link_t = np.maximum(link_t, np.bincount(msgs.round[dom], msgs.nbytes[dom].astype(float),
-                                                minlength=R) / cluster.domain_fabric_Bps)
-    send_work = msgs.items * cluster.item_s + msgs.staged_send / cluster.copy_Bps
-    recv_work = msgs.items * cluster.item_s + msgs.staged_recv / cluster.copy_Bps
-    work = (np.bincount(msgs.round * world + msgs.sender, send_work, minlength=R * world)
-            + np.bincount(msgs.round * world + msgs.receiver, recv_work, minlength=R * world)
-            ).reshape(R, world)
-    cpu_t = work.max(axis=1) if R else np.zeros(0)
-    if cluster.cpu_cores:
-        cpu_t = np.maximum(cpu_t, work.sum(axis=1) / cluster.cpu_cores)
-    # CPU work overlaps the links, except where the "links" are CPU copies themselves (ranks
-    # sharing a few cores, as on the local preset): then they add up
-    round_t = (link_t + cpu_t if cluster.cpu_cores else np.maximum(link_t, cpu_t)) + cluster.latency_s
-    # before the rounds, every process looks up its tensors' views once
-    per_proc = tensors_per_process(plan) * cluster.tensor_s
-    prep = float(per_proc.max()) if len(per_proc) else 0.0
-    if cluster.cpu_cores:
-        prep = max(prep, float(per_proc.sum()) / cluster.cpu_cores)
-    predicted = float(round_t.sum()) + cluster.refit_overhead_s + prep
-
-    total = link_bytes.sum(axis=0) if R else np.zeros(L)
-    nic_bound = float((total[:2 * world] / cluster.nic_Bps).max()) if R else 0.0
-    nvl_bound = float((total[2 * world:] / cluster.nvlink_Bps).max()) if R else 0.0
-    bound = max(nic_bound, nvl_bound)
-    if cluster.fabric_Bps:
-        bound = max(bound, float(msgs.nbytes[net].sum()) / cluster.fabric_Bps)
-    if cluster.domain_fabric_Bps:
-        bound = max(bound, float(msgs.nbytes[dom].sum()) / cluster.domain_fabric_Bps)
-    balanced = st.min_network_bytes / (plan.topology.n_dst * cluster.nic_Bps)
-
-    names = _link_names(n_src, world)
+        total += (np.bincount(base_s + msgs.sender[mask], w, minlength=4 * world)
+                  + np.bincount(base_r + msgs.receiver[mask], w, minlength=4 * world))
+    bw = np.concatenate([np.full(2 * world, cluster.nic_Bps), np.full(2 * world, cluster.nvlink_Bps)])
     t_full = total / bw
-    top = np.argsort(-t_full)[:5]
-    busiest = [(names[i], int(total[i]), float(t_full[i])) for i in top if total[i] > 0]
-
     if timeline_rank is None:
-        g = int(np.argmax(t_full)) % world if R else 0
+        g = int(np.argmax(t_full)) % world if len(msgs.round) else 0
     else:
         side, r = timeline_rank
         g = r if side == "src" else n_src + r
+
+    cpu, rows = _replay_processes(msgs, cluster, W, world, send_work, recv_work, prep, g,
+                                  ring_recv)
+    replay_s = float(cpu.max()) if world else 0.0
+
+    # Shared resources: all network bytes cross `fabric_Bps`, all domain bytes
+    # `domain_fabric_Bps`; where ranks share `cpu_cores`, those fabrics are the same cores
+    # (loopback sockets, shared-memory copies), so fabric time and every rank's CPU work add up.
+    net_bytes = float(msgs.nbytes[net].sum())
+    dom_bytes = float(msgs.nbytes[dom].sum())
+    fab = [net_bytes / cluster.fabric_Bps if cluster.fabric_Bps else 0.0,
+           dom_bytes / cluster.domain_fabric_Bps if cluster.domain_fabric_Bps else 0.0]
+    if cluster.cpu_cores:
+        shared = sum(fab) + (float(send_work.sum() + recv_work.sum()) + float(prep.sum())) \
+            / cluster.cpu_cores
+    else:
+        shared = max(fab)
+    predicted = max(replay_s, shared) + cluster.refit_overhead_s
+
+    nic_bound = float((total[:2 * world] / cluster.nic_Bps).max()) if world else 0.0
+    nvl_bound = float((total[2 * world:] / cluster.nvlink_Bps).max()) if world else 0.0
+    bound = max(nic_bound, nvl_bound, *fab)
+    balanced = st.min_network_bytes / (plan.topology.n_dst * cluster.nic_Bps)
+
+    names = _link_names(n_src, world)
+    top = np.argsort(-t_full)[:5]
+    busiest = [(names[i], int(total[i]), float(t_full[i])) for i in top if total[i] > 0]
     label = f"src {g}" if g < n_src else f"dst {g - n_src}"
-    starts = np.concatenate([[0.0], np.cumsum(round_t)[:-1]]) if R else np.zeros(0)
     timeline = []
-    for k in range(R):
-        row = link_bytes[k, [g, world + g, 2 * world + g, 3 * world + g]]
-        if row.any() or work[k, g] > 0:
-            timeline.append({"round": k, "start_s": float(starts[k]), "end_s": float(starts[k] + round_t[k]),
-                             "nic_send": int(row[0]), "nic_recv": int(row[1]),
-                             "nvlink_send": int(row[2]), "nvlink_recv": int(row[3]),
-                             "limited_by": "cpu" if cpu_t[k] > link_t[k] else "link"})
+    for k in sorted(rows):
+        start, end, b, work, link = rows[k]
+        timeline.append({"round": k, "start_s": start, "end_s": end, "nic_send": b[0],
+                         "nic_recv": b[1], "nvlink_send": b[2], "nvlink_recv": b[3],
+                         "limited_by": "cpu" if work > link else "link"})
+    work_by_proc = (np.bincount(msgs.sender, send_work, minlength=world)
+                    + np.bincount(msgs.receiver, recv_work, minlength=world) + prep)
     return SimResult(cluster, msgs.mode, bucket_bytes, predicted, bound, nic_bound, nvl_bound,
                      balanced, st.network_bytes, st.min_network_bytes, st.domain_bytes, R,
                      len(msgs.round), busiest, timeline, label,
-                     float(round_t[cpu_t > link_t].sum()) if R else 0.0)
+                     float(work_by_proc.max()) if world else 0.0, W, replay_s, shared)
+
+
+def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, send_work,
+                      recv_work, prep, watch: int, ring_recv: str = "in_order"):
+    """Every process's program in the global key order (see the module docstring).
+
+    Returns each process's finishing time and, for process `watch`, per round: (first start,
+    last end, [NIC out, NIC in, NVLink out, NVLink in] bytes, CPU work, link seconds)."""
+    span = W // 2
+    max_msgs = 4 * W
+    packed_only = cluster.per_item_min_bytes is None
+    nic, nvl, lat = cluster.nic_Bps, cluster.nvlink_Bps, cluster.latency_s
+    ring_lat = cluster.ring_latency_s
+    cpu = [float(x) for x in prep]               # each process's program clock
+    nccl = [0.0] * world                          # when its previous network group ends
+    nv_s, nv_r = [0.0] * world, [0.0] * world
+    inflight = [deque() for _ in range(world)]    # (end, buffers, messages, unpack s, round, seq)
+    used_buf, used_msg = [0] * world, [0] * world
+    seq_next, seq_done = [0] * world, [-1] * world
+    rnd, order, path = msgs.round.tolist(), msgs.order.tolist(), msgs.path.tolist()
+    snd, rcv, nbytes = msgs.sender.tolist(), msgs.receiver.tolist(), msgs.nbytes.tolist()
+    items, parent = msgs.items.tolist(), msgs.parent.tolist()
+    per_item = [False] * len(rnd) if packed_only else msgs.per_item.tolist()
+    staged_s = (msgs.strided_send + msgs.contig_send).tolist()
+    staged_r = (msgs.strided_recv + msgs.contig_recv).tolist()
+    sw, rw = send_work.tolist(), recv_work.tolist()
+    recv_seq = [-1] * len(rnd)
+    arrived = [0.0] * world                       # ring buckets taken as ready: last unpacked
+    rings_in_order = ring_recv == "in_order"
+    rows: dict = {}
+
+    def note(i, start, end, kind, own_work, link_s):
+        row = rows.get(rnd[i])
+        if row is None:
+            row = rows[rnd[i]] = [start, end, [0, 0, 0, 0], 0.0, 0.0]
+        row[0], row[1] = min(row[0], start), max(row[1], end)
+        row[2][kind] += nbytes[i]
+        row[3] += own_work
+        row[4] += link_s
+
+    def pop(p):
+        end, buf, n, unpack, _, seq = inflight[p].popleft()
+        cpu[p] = max(cpu[p], end) + unpack
+        used_buf[p] -= buf
+        used_msg[p] -= n
+        seq_done[p] = seq
+
+    def group_key(i):
+        if path[i] != 0 or per_item[i] or not span:
+            return None
+        return (rnd[i], ((rcv[i] - snd[i]) % world) // span)
+
+    n = len(rnd)
+    i = 0
+    while i < n:
+        if path[i] == 0:
+            j = i + 1
+            gk = group_key(i)
+            if gk is not None:
+                while j < n and group_key(j) == gk:
+                    j += 1
+            # one group: per process its staging buffers, messages, packing and unpacking
+            parts: dict = {}
+            for m in range(i, j):
+                for p, sending in ((snd[m], True), (rcv[m], False)):
+                    e = parts.get(p)
+                    if e is None:
+                        e = parts[p] = [0, 0, 0.0, 0.0]
+                    staged = staged_s[m] if sending else staged_r[m]
+                    e[0] += 1 if (not per_item[m] or staged) else 0
+                    e[1] += items[m] if per_item[m] else 1
+                    if sending:
+                        e[2] += sw[m]
+                    else:
+                        e[3] += rw[m]
+            start = {}
+            for p, (buf, cnt, pack, _) in parts.items():
+                while inflight[p] and (used_buf[p] + buf > W or used_msg[p] + cnt > max_msgs):
+                    pop(p)
+                cpu[p] += pack
+                start[p] = max(cpu[p], nccl[p])
+            # a group's messages progress together, sharing each NIC direction: a message
+            # ends once both its ends are posted and its own bytes have moved, and no sooner
+            # than its sender's and its receiver's bytes of the group could have
+            out_load, in_load = defaultdict(int), defaultdict(int)
+            for m in range(i, j):
+                out_load[snd[m]] += nbytes[m]
+                in_load[rcv[m]] += nbytes[m]
+            end = dict.fromkeys(parts, 0.0)
+            for m in range(i, j):
+                s, r = snd[m], rcv[m]
+                t0 = max(start[s], start[r])
+                t1 = max(t0 + nbytes[m] / nic, start[s] + out_load[s] / nic,
+                         start[r] + in_load[r] / nic)
+                end[s], end[r] = max(end[s], t1), max(end[r], t1)
+                if s == watch:
+                    note(m, t0, t1 + lat, 0, sw[m], t1 - t0)
+                if r == watch:
+                    note(m, t0, t1 + lat, 1, rw[m], t1 - t0)
+            for p, (buf, cnt, _, unpack) in parts.items():
+                ge = nccl[p] = end[p] + lat
+                inflight[p].append((ge, buf, cnt, unpack, rnd[i], seq_next[p]))
+                used_buf[p] += buf
+                used_msg[p] += cnt
+                seq_next[p] += 1
+            for m in range(i, j):
+                recv_seq[m] = seq_next[rcv[m]] - 1
+            i = j
+            continue
+        s, r = snd[i], rcv[i]
+        if order[i] == FORWARD_ORDER:
+            # the forwarder first completes its messages up to the bucket that brought the data
+            q = parent[i]
+            if q >= 0:
+                while inflight[s] and seq_done[s] < recv_seq[q]:
+                    pop(s)
+            else:                                   # aggregate: the previous round's buckets
+                while inflight[s] and inflight[s][0][4] < rnd[i]:
+                    pop(s)
+        if path[i] == PATH_CODE[DOMAIN]:
+            # a ring: the sender packs into the receiver's slot over the link and waits for it;
+            # the receiver unpacks once the slot is there
+            t0 = max(cpu[s] + sw[i], nv_s[s], nv_r[r])
+            t1 = t0 + nbytes[i] / nvl + ring_lat
+            nv_s[s] = nv_r[r] = cpu[s] = t1
+            if s == watch:
+                note(i, t0, t1, 2, sw[i], t1 - t0)
+            if rings_in_order:
+                cpu[r] = max(cpu[r], t1) + rw[i]
+            else:                                   # what-if: taken whenever it is there
+                cpu[r] += rw[i]
+                arrived[r] = max(arrived[r], t1 + rw[i])
+            if r == watch:
+                note(i, t0, max(cpu[r], t1 + rw[i]), 3, rw[i], t1 - t0)
+        else:                                       # a local copy
+            cpu[s] += sw[i]
+            cpu[r] = max(cpu[r], cpu[s]) + rw[i]
+        i += 1
+    for p in range(world):
+        while inflight[p]:
+            pop(p)
+    return np.maximum(np.array(cpu), np.array(arrived)), rows
 
 
 def gather_broadcast_seconds(plan: Plan, cluster: Cluster,

@@ -3,11 +3,13 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 import ray_reshard as rr
-from ray_reshard.sim import Cluster, gather_broadcast_seconds, preset, simulate
+from ray_reshard.sim import (Cluster, gather_broadcast_seconds, messages_exact, preset,
+                             simulate)
 from ray_reshard.sim.cli import main as cli_main
 
 GB = 1e9
@@ -28,12 +30,98 @@ def test_one_transfer_closed_form():
     p = rr.plan(specs, ["a"], ["b"])
     cl = BARE.with_(latency_s=1e-3, refit_overhead_s=2e-3)
     res = simulate(p, cl, bucket_bytes=1 << 30)
-    assert res.predicted_s == pytest.approx(4e6 / (10 * GB) + 1e-3 + 2e-3)
+    # GPU presets pack every network bucket: one copy in at the sender, one out at the receiver
+    copies = 2 * 4e6 / cl.contig_copy_Bps
+    assert res.predicted_s == pytest.approx(4e6 / (10 * GB) + copies + 1e-3 + 2e-3)
     assert res.bound_s == pytest.approx(4e6 / (10 * GB))
-    # four buckets: four rounds, each paying the latency once
+    # four buckets, one per round: each pays the latency; packing the next bucket overlaps
+    # the transfer of the one before, so only the first pack and the last unpack add
     res4 = simulate(p, cl, bucket_bytes=1_000_000)
     assert res4.rounds == 4
-    assert res4.predicted_s == pytest.approx(4e6 / (10 * GB) + 4e-3 + 2e-3)
+    assert res4.predicted_s == pytest.approx(4e6 / (10 * GB) + 4e-3 + 2e-6 + 2e-3)
+
+
+def _two_buckets():
+    lay = rr.Layout.replicated([0])
+    specs = {"w": rr.TensorSpec((2000, 1000), torch.float32, src=lay, dst=lay)}
+    return rr.plan(specs, ["a"], ["b"])
+
+
+def test_two_round_pipeline_by_hand():
+    """Two 4 MB buckets, one pair: pack p = 1 ms, transfer x = 4 ms, unpack u = 1 ms.
+
+    window 2: pack 0 | transfer 0 while packing 1 | transfer 1 | unpack 1 (unpack 0 ran
+    during transfer 1): p + 2x + u. window 1: bucket 1 waits for bucket 0's staging buffer at
+    both ends: the sender packs it after transfer 0 (2p + x), the receiver posts it after
+    unpacking 0 (p + x + u); then x + u."""
+    cl = BARE.with_(nic_Bps=1 * GB, contig_copy_Bps=4 * GB)
+    p = _two_buckets()
+    w2 = simulate(p, cl, bucket_bytes=4_000_000, window=2)
+    w1 = simulate(p, cl, bucket_bytes=4_000_000, window=1)
+    assert w2.rounds == 2 and w2.window == 2 and w1.window == 1
+    assert w2.predicted_s == pytest.approx(1e-3 + 8e-3 + 1e-3)
+    assert w1.predicted_s == pytest.approx(max(2e-3 + 4e-3, 1e-3 + 4e-3 + 1e-3) + 4e-3 + 1e-3)
+    assert w2.bound_s == pytest.approx(8e-3)
+
+
+def _forwarding_plan():
+    """TP4 -> TP2 x DP2 across two 4-GPU domains: every network piece is forwarded once."""
+    return rr.plan(_tp4_to_tp2dp2(n=8, rows=2048, cols=512), ["n0"] * 4, ["n1"] * 4)
+
+
+@pytest.mark.parametrize("cluster", [
+    BARE, BARE.with_(item_s=20e-6, contig_copy_Bps=20 * GB, copy_Bps=5 * GB, latency_s=50e-6),
+    preset("dgx-h100"), preset("gb200-nvl72").with_(gpus_per_domain=4), preset("local")])
+def test_window_bounds(cluster):
+    """No window beats the busiest link. Window 1 runs a process's buckets one at a time, its
+    sends and receives included: at least the busiest process's sent plus received bytes over
+    its NIC. Wider windows put a send and a receive in one group, so they run together."""
+    p = _forwarding_plan()
+    for bucket in (1 << 20, 4 << 20):
+        m = messages_exact(p, bucket)
+        net = m.path == 0
+        per_proc = (np.bincount(m.sender[net], m.nbytes[net], minlength=8)
+                    + np.bincount(m.receiver[net], m.nbytes[net], minlength=8))
+        w1 = simulate(p, cluster, bucket, "exact", window=1)
+        assert w1.replay_s >= per_proc.max() / cluster.nic_Bps
+        for w in (None, 2, 4, 8):
+            res = simulate(p, cluster, bucket, "exact", window=w)
+            assert res.predicted_s >= res.bound_s > 0
+            assert res.replay_s >= res.nic_bound_s
+
+
+def test_window_hides_cpu_work():
+    """With copies to make, buckets in flight overlap one bucket's packing and unpacking with
+    another's transfer: the executor's default window is faster than one at a time (a plan
+    without forwarding, whose forwards would otherwise queue behind the receives)."""
+    p = rr.plan(_tp4_to_tp2dp2(n=8, rows=2048, cols=512), n_src=4, n_dst=4)
+    cl = BARE.with_(item_s=20e-6, contig_copy_Bps=20 * GB, copy_Bps=5 * GB)
+    for bucket in (1 << 20, 4 << 20):
+        serial = simulate(p, cl, bucket, "exact", window=1)
+        windowed = simulate(p, cl, bucket, "exact")
+        assert windowed.window > 1
+        assert windowed.predicted_s < serial.predicted_s
+
+
+def test_forward_waits_for_its_network_bucket():
+    """A forwarder passes a piece on only after it arrived: on a link-only cluster the last
+    forward ends no earlier than the forwarder's last network receive plus its own transfer."""
+    p = _forwarding_plan()
+    res = simulate(p, BARE, 1 << 20, "exact", timeline_rank=("dst", 0))
+    rows = res.timeline
+    last_in = max(r["end_s"] for r in rows if r["nic_recv"])
+    last_fwd = max(r["end_s"] for r in rows if r["nvlink_send"])
+    assert last_fwd >= last_in + 0.5 * (1 << 20) / BARE.nvlink_Bps
+
+
+def test_in_place_items_cost_no_copy_on_cpu_wire_format():
+    """On a CPU cluster contiguous network items of 64 KiB or more travel in place (no copy);
+    on GPU presets every network bucket is packed and unpacked."""
+    p = _two_buckets()
+    slow = BARE.with_(contig_copy_Bps=1 * GB)
+    packed = simulate(p, slow, 8 << 20).predicted_s
+    in_place = simulate(p, slow.with_(per_item_min_bytes=64 << 10), 8 << 20).predicted_s
+    assert packed == pytest.approx(in_place + 2 * 8e6 / GB)
 
 
 def test_exact_and_aggregate_agree():
@@ -45,6 +133,11 @@ def test_exact_and_aggregate_agree():
     assert ag.predicted_s == pytest.approx(ex.predicted_s, rel=0.05)
     assert ag.bound_s == pytest.approx(ex.bound_s)
     assert ex.predicted_s >= ex.bound_s
+    fp = _forwarding_plan()
+    for cl in (BARE, preset("local")):
+        ex = simulate(fp, cl, 1 << 20, "exact")
+        ag = simulate(fp, cl, 1 << 20, "aggregate")
+        assert ag.predicted_s == pytest.approx(ex.predicted_s, rel=0.05)
 
 
 def test_domain_aware_beats_direct_and_gather_broadcast():
@@ -110,3 +203,28 @@ def test_sim_imports_no_ray_and_no_runtime():
     code = ("import sys, ray_reshard.sim; "
             "assert 'ray' not in sys.modules and 'ray_reshard.runtime' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_message_cost_only_for_items_sent_as_their_own():
+    """`message_s` is paid per item at both ends where items travel as their own messages
+    (the CPU wire format), and nowhere on a cluster that packs every bucket."""
+    p = _two_buckets()                        # one pair, one 8 MB item in one bucket
+    cl = BARE.with_(per_item_min_bytes=64 << 10)
+    base = simulate(p, cl, 8 << 20).predicted_s
+    assert simulate(p, cl.with_(message_s=1e-3), 8 << 20).predicted_s == pytest.approx(base + 2e-3)
+    packed = BARE.with_(message_s=1e-3)
+    assert simulate(p, packed, 8 << 20).predicted_s == pytest.approx(
+        simulate(p, BARE, 8 << 20).predicted_s)
+
+
+def test_ring_receives_as_ready_what_if():
+    """Taking ring buckets as they arrive never holds a receiver up longer than taking them in
+    the schedule's order, and still cannot beat the links."""
+    p = _forwarding_plan()
+    for cl in (BARE, BARE.with_(item_s=20e-6, ring_latency_s=50e-6), preset("gb200-nvl72").with_(
+            gpus_per_domain=4)):
+        in_order = simulate(p, cl, 1 << 20, "exact")
+        as_ready = simulate(p, cl, 1 << 20, "exact", ring_recv="as_ready")
+        assert as_ready.bound_s <= as_ready.predicted_s <= in_order.predicted_s * (1 + 1e-9)
+    with pytest.raises(ValueError, match="ring_recv"):
+        simulate(p, BARE, 1 << 20, ring_recv="whenever")
