@@ -292,7 +292,6 @@ def build_schedule(plan: Plan, bucket_bytes: int) -> Schedule:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     topo = plan.topology
     n_src = topo.n_src
-    world = n_src + topo.n_dst
     isz = [spec.itemsize for spec in plan.specs]
 
     def gid(ep: Endpoint) -> int:
@@ -321,7 +320,7 @@ def build_schedule(plan: Plan, bucket_bytes: int) -> Schedule:
                         entries.append((Item(ti, chunk), chunk.numel * size, box))
 
         for (src, dst, path), entries in pair_items.items():
-            rot = (n_src + dst - gid(src)) % world
+            rot = rotation(src.rank, dst, n_src, topo.n_dst)
             for k, bucket in enumerate(_pack(entries, bucket_bytes)):
                 key = (k, _PATH_ORDER[path], rot, gid(src), dst, 0, -1)
                 transfers.append(_transfer(isz, key, src, dst, path, bucket))
@@ -359,7 +358,6 @@ def build_share(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int) ->
 def _share(plan: Plan, mine: frozenset, bucket_bytes: int) -> list[Transfer]:
     my_dst = {e.rank for e in mine if e.side == "dst"}
     n_src = plan.topology.n_src
-    world = n_src + plan.topology.n_dst
     isz = [spec.itemsize for spec in plan.specs]
     # per tensor: {forwarder dst rank: [(box, (target, path)), ...]} (shared per tensor plan)
     forwards: list = [None] * len(plan.tensor_plans)
@@ -466,7 +464,7 @@ def _share(plan: Plan, mine: frozenset, bucket_bytes: int) -> list[Transfer]:
 
     any_forwards = any(f is not None for f in forwards)
     for i, (src, dst, path, ours) in enumerate(pair_keys):
-        rot = (n_src + dst - (src.rank if src.side == "src" else n_src + src.rank)) % world
+        rot = rotation(src.rank, dst, n_src, plan.topology.n_dst)
         gsrc = src.rank if src.side == "src" else n_src + src.rank
         forwarder_mine = dst in my_dst
         for k, bucket in buckets(i, pair_lists[i]):
@@ -523,6 +521,15 @@ def _pack(entries: list, bucket_bytes: int, size_at: int = 1) -> list[list]:
     if cur:
         buckets.append(cur)
     return buckets
+
+
+def rotation(src: int, dst: int, n_src: int, n_dst: int) -> int:
+    """The rotation of the pair (source rank `src`, destination rank `dst`) in the schedule's
+    key: `(dst - src) mod max(n_src, n_dst)`. In one rotation every source rank sends to at
+    most one destination rank and every destination rank receives from at most one source
+    rank, and the rotations are as few as that allows, so the pairs of a round are met in
+    max(n_src, n_dst) steps of disjoint pairs."""
+    return (dst - src) % max(n_src, n_dst)
 
 
 def forward_key(parent: tuple, target: int) -> tuple:

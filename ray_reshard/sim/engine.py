@@ -307,7 +307,7 @@ def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
     # then its target
     first_s = np.where(forwarded & (par >= 0), par, snd)
     first_r = np.where(forwarded & (par >= 0), snd, rcv)
-    rot = (first_r - first_s) % world
+    rot = (first_r - n_src - first_s) % max(n_src, world - n_src)    # plan.rotation
     last_r = np.where(forwarded, rcv, -1)
     o = np.lexsort((last_r, first_r, first_s, rot, order, rnd))
     return Messages(rnd[o], order[o], snd[o], rcv[o], path[o], nbytes[o], it[o], copied[0][o],
@@ -409,7 +409,7 @@ def replay(plan: Plan, msgs: Messages, cluster: Cluster, bucket_bytes: int,
         g = r if side == "src" else n_src + r
 
     cpu, rows = _replay_processes(msgs, cluster, W, world, send_work, recv_work, prep, g,
-                                  ring_recv)
+                                  ring_recv, n_src=n_src)
     replay_s = float(cpu.max()) if world else 0.0
 
     # Shared resources: all network bytes cross `fabric_Bps`, all domain bytes
@@ -450,7 +450,8 @@ def replay(plan: Plan, msgs: Messages, cluster: Cluster, bucket_bytes: int,
 
 
 def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, send_work,
-                      recv_work, prep, watch: int, ring_recv: str = "in_order"):
+                      recv_work, prep, watch: int, ring_recv: str = "in_order",
+                      n_src: int = 0):
     """Every process's program in the global key order (see the module docstring).
 
     Returns each process's finishing time and, for process `watch`, per round: (first start,
@@ -494,10 +495,12 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, send
         used_msg[p] -= n
         seq_done[p] = seq
 
+    rot_mod = max(n_src, world - n_src, 1)         # plan.rotation
+
     def group_key(i):
         if path[i] != 0 or per_item[i] or not span:
             return None
-        return (rnd[i], ((rcv[i] - snd[i]) % world) // span)
+        return (rnd[i], ((rcv[i] - n_src - snd[i]) % rot_mod) // span)
 
     n = len(rnd)
     i = 0
