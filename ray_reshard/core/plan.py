@@ -332,7 +332,7 @@ def build_schedule(plan: Plan, bucket_bytes: int) -> Schedule:
                     for target_path in forwards.get((dst, item.tensor, entry[2]), ()):
                         fwd[target_path].append(entry)
                 for (target, fpath), fentries in sorted(fwd.items()):
-                    fkey = forward_key(key, target)
+                    fkey = forward_key(key, target, topo.n_dst)
                     transfers.append(_transfer(isz, fkey, Endpoint("dst", dst), target, fpath,
                                                fentries))
         return Schedule(transfers, bucket_bytes)
@@ -484,8 +484,8 @@ def _share(plan: Plan, mine: frozenset, bucket_bytes: int) -> list[Transfer]:
                     if box == parent and (forwarder_mine or target_path[0] in my_dst):
                         fwd[target_path].append(entry)
             for (target, fpath), fentries in sorted(fwd.items()):
-                emit(forward_key(key, target), Endpoint("dst", dst), target, fpath,
-                     fentries)
+                emit(forward_key(key, target, plan.topology.n_dst), Endpoint("dst", dst), target,
+                     fpath, fentries)
     transfers.sort(key=lambda t: t.key)
     return transfers
 
@@ -532,16 +532,22 @@ def rotation(src: int, dst: int, n_src: int, n_dst: int) -> int:
     return (dst - src) % max(n_src, n_dst)
 
 
-def forward_key(parent: tuple, target: int) -> tuple:
+def forward_key(parent: tuple, target: int, n_dst: int) -> tuple:
     """Order key of a forwarded bucket: after every network bucket of the next round, so a
-    receiver has the next round's network receives in flight while it forwards this one."""
-    return (parent[0] + 1, len(_PATH_ORDER)) + parent[1:5] + (target,)
+    receiver has the next round's network receives in flight while it forwards this one.
+
+    Within a round, forwards go by ring rotation `(target - forwarder) mod n_dst` (each
+    forwarder sends to one target and each target takes from one forwarder per rotation), and
+    within a rotation by descending forwarder: then every forwarder but the few lowest sends
+    before it receives, so the domain's forwards do not wait on each other in a chain."""
+    f = parent[4]
+    return (parent[0] + 1, len(_PATH_ORDER), (target - f) % n_dst, -f) + parent[1:5] + (target,)
 
 
 def parent_key(forward: "Transfer") -> tuple:
     """Key of the network bucket whose data a forwarded bucket passes on."""
     k = forward.key
-    return (k[0] - 1,) + k[2:6] + (0, -1)
+    return (k[0] - 1,) + k[4:8] + (0, -1)
 
 
 def _item(tensor: int, box: Box) -> Item:

@@ -309,7 +309,10 @@ def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
     first_r = np.where(forwarded & (par >= 0), snd, rcv)
     rot = (first_r - n_src - first_s) % max(n_src, world - n_src)    # plan.rotation
     last_r = np.where(forwarded, rcv, -1)
-    o = np.lexsort((last_r, first_r, first_s, rot, order, rnd))
+    # plan.forward_key: forwards by ring rotation, then descending forwarder
+    fwd_rot = np.where(forwarded, (rcv - snd) % max(world - n_src, 1), 0)
+    fwd_desc = np.where(forwarded, -(snd - n_src), 0)
+    o = np.lexsort((last_r, first_r, first_s, rot, fwd_desc, fwd_rot, order, rnd))
     return Messages(rnd[o], order[o], snd[o], rcv[o], path[o], nbytes[o], it[o], copied[0][o],
                     copied[2][o], copied[1][o], copied[3][o], per_item[o],
                     np.full(len(o), -1, dtype=np.int64), "aggregate")
