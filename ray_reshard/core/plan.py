@@ -523,6 +523,17 @@ def _pack(entries: list, bucket_bytes: int, size_at: int = 1) -> list[list]:
     return buckets
 
 
+# Staging memory a process may hold for network buckets in flight, by default.
+DEFAULT_STAGING_BYTES = 128 << 20
+MAX_WINDOW = 16
+
+
+def default_window(bucket_bytes: int, staging_bytes: int = DEFAULT_STAGING_BYTES) -> int:
+    """Staged buckets in flight per process (the executor's window): as many as fit in
+    `staging_bytes`, at least 2 (double buffering), at most MAX_WINDOW."""
+    return max(2, min(MAX_WINDOW, staging_bytes // max(1, bucket_bytes)))
+
+
 def rotation(src: int, dst: int, n_src: int, n_dst: int) -> int:
     """The rotation of the pair (source rank `src`, destination rank `dst`) in the schedule's
     key: `(dst - src) mod max(n_src, n_dst)`. In one rotation every source rank sends to at

@@ -31,19 +31,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..core.plan import default_window
 from ..core.planner import NETWORK
 from ..core.program import COPY, SEND, Program
 from .channel import Channel, NetChannel, RingChannel
-
-# Staging memory a process may hold for network buckets in flight, by default.
-DEFAULT_STAGING_BYTES = 128 << 20
-MAX_WINDOW = 16
-
-
-def default_window(bucket_bytes: int, staging_bytes: int = DEFAULT_STAGING_BYTES) -> int:
-    """Staged buckets in flight: as many as fit in `staging_bytes`, at least 2 (double
-    buffering), at most MAX_WINDOW."""
-    return max(2, min(MAX_WINDOW, staging_bytes // max(1, bucket_bytes)))
 
 
 class Staging:

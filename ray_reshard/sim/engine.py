@@ -61,7 +61,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..core.plan import DEFAULT_BUCKET_BYTES, Plan, parent_key
+from ..core.plan import DEFAULT_BUCKET_BYTES, MAX_WINDOW, Plan, default_window, parent_key
 from ..core.planner import DOMAIN, LOCAL, NETWORK
 from .cluster import Cluster
 
@@ -100,16 +100,6 @@ class Messages:
 # executor's wire format, `core.program.PER_ITEM_MIN_BYTES`), in place when contiguous; smaller
 # ones, strided ones and every domain (ring) transfer are copied.
 IN_PLACE_MIN_BYTES = 64 << 10
-
-# The executor's default window (`runtime.executor.default_window`): staged buckets in flight
-# per process, as many as fit in 128 MiB, 2 to 16. Repeated here: the simulator imports no
-# runtime code.
-STAGING_BYTES = 128 << 20
-MAX_WINDOW = 16
-
-
-def default_window(bucket_bytes: int) -> int:
-    return max(2, min(MAX_WINDOW, STAGING_BYTES // max(1, bucket_bytes)))
 
 
 class _Staging:
