@@ -640,11 +640,11 @@ def _plan_moves(shape, itemsize, src_layout: Layout, dst_layout: Layout, topo: T
             return [(rs[rotation % len(rs)], x)]
         return list(zip(rs, x.split(len(rs))))
 
-    def far(rs: list, x: Box, holders: Sequence[int], n_pieces: int) -> None:
-        """`x` into one far domain whose ranks `rs` all need it: each piece to one of them
-        over the network (several source replicas share a large piece), which forwards it to
-        the rest."""
-        for receiver, piece in pieces(rs, x):
+    def far(rs: list, cut: list, holders: Sequence[int], n_pieces: int) -> None:
+        """A region into one far domain whose ranks `rs` all need it, cut as `pieces` cuts it:
+        each piece to one of them over the network (several source replicas share a large
+        piece), which forwards it to the rest."""
+        for receiver, piece in cut:
             pbytes = piece.numel * itemsize
             fan = len(holders) // n_pieces if pbytes >= SPLIT_OVER_REPLICAS_BYTES else 1
             for sub in piece.split(max(1, fan)):
@@ -683,9 +683,10 @@ def _plan_moves(shape, itemsize, src_layout: Layout, dst_layout: Layout, topo: T
                         moves.append(_move(sep(h), r, x, DOMAIN))
             if not far_domains:
                 continue
-            n_pieces = sum(len(pieces(rs, x)) for rs in far_domains)
-            for rs in far_domains:
-                far(rs, x, holders, n_pieces)
+            cuts = [(rs, pieces(rs, x)) for rs in far_domains]
+            n_pieces = sum(len(cut) for _, cut in cuts)
+            for rs, cut in cuts:
+                far(rs, cut, holders, n_pieces)
     for dom, ranks in mixed.items():
         for (sbox, holders), near_of in zip(src_classes, src_by_domain):
             if near_of.get(dom):
@@ -693,7 +694,8 @@ def _plan_moves(shape, itemsize, src_layout: Layout, dst_layout: Layout, topo: T
             xs = [(r, x) for r, x in ((r, b.intersect(sbox)) for r, b in ranks) if x is not None]
             for cell in _cells([x for _, x in xs]):
                 needers = [r for r, x in xs if x.contains(cell)]
-                far(needers, cell, holders, len(pieces(needers, cell)))
+                cut = pieces(needers, cell)
+                far(needers, cut, holders, len(cut))
     rotations = 1
     for _, holders in src_classes:
         used = sum(1 for h in holders if h in picked)
