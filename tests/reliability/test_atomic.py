@@ -43,12 +43,19 @@ def lookup(actor):
     return actor.tensors
 
 
-def arm_exit(actor):
-    """The actor's process exits when its next refit starts moving bytes (once every
-    process's tensors passed the checks)."""
+def arm_exit(actor, after_s: float = 1.0):
+    """The actor's process exits `after_s` after its next refit starts moving bytes (once
+    every process's tensors passed the checks). The delay lets the transfers that do not
+    involve it finish first even on a loaded machine, so what arrived is deterministic."""
     def patch(self):
+        import time
+
         from ray_reshard.runtime import executor
-        executor.run_program = lambda *args, **kwargs: os._exit(1)
+
+        def exit_later(*args, **kwargs):
+            time.sleep(after_s)
+            os._exit(1)
+        executor.run_program = exit_later
     ray.get(actor.__ray_call__.remote(patch))
 
 
