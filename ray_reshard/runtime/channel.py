@@ -64,6 +64,10 @@ class RingChannel(Channel):
     def has(self, peer: int, sending: bool) -> bool:
         return peer in (self.rings_out if sending else self.rings_in)
 
+    def ready(self, peer: int, sending: bool) -> bool:
+        """Whether `post` to or from `peer` would run at once (never blocks)."""
+        return (self.rings_out if sending else self.rings_in)[peer].ready(sending)
+
     def post(self, peer, tensor, sending, nbytes: int = 0, deadline: float = 0.0):
         if sending:
             ring = self.rings_out[peer]

@@ -14,10 +14,16 @@ group is a run of keys with the same round and the same span of `window // 2` ro
 schedule's key is (round, path, rotation, ...)), the same on every process whatever its share.
 In one rotation of one round a process sends at most one bucket and receives at most one, so a
 group needs at most `window` staging buffers; the earliest unfinished group can always finish.
-A step whose items travel as their own messages is its own group. Network messages stay in flight (up to `window` staged
-buckets and `4 * window` messages); domain buckets over a ring and local copies run at once. A
-forwarded piece is sent only once the network bucket that brought it in has completed; it sorts
-one round behind it, so the next round's network receives are already in flight meanwhile.
+A step whose items travel as their own messages is its own group. Network messages stay in
+flight (up to `window` staged buckets and `4 * window` messages); local copies run at once.
+
+Rings. A run of consecutive ring (domain) steps runs as a unit once the network buckets its
+forwards pass on have completed: each peer's buckets in program order (a ring is first in,
+first out), but whichever peer's ring is ready first (a free slot to send into, a published
+one to take), and only when none is, the earliest step left, waiting for it. So a destination
+does not wait for one forwarder while another's bucket sits ready. A forwarded piece is sent
+only once the network bucket that brought it in has completed; it sorts one round behind it,
+so the next round's network receives are already in flight meanwhile.
 
 Strategies (`reshard`, `gather_broadcast`) are objects in `strategies.py`; the reshard strategy
 runs its programs with `run_program` here.
@@ -144,16 +150,28 @@ def run_program(prog: Program, views: dict, tr: Transports, deadline: float,
             # A forwarded piece must have arrived: complete messages up to its network bucket.
             while s.after not in done and pending:
                 wait_one()
-        if s.path != NETWORK and rings is not None and rings.has(s.peer, sending):
-            t0 = now()
-            if sending:
-                rings.post(s.peer, s.send.pack, True, s.nbytes, deadline)
-                clock["pack"] += now() - t0
-            else:
-                rings.post(s.peer, s.recv.unpack, False, 0, deadline)
-                clock["unpack"] += now() - t0
-                moved[s.path] += s.nbytes
-            i += 1
+        if _on_ring(s, rings):
+            # A run of ring steps: each peer's in order, any ready peer first (see the module
+            # docstring). Forwards in the run need their network buckets complete first.
+            j = i + 1
+            while j < n_steps and _on_ring(steps[j], rings):
+                j += 1
+            run = steps[i:j]
+            afters = {st.after for st in run if st.after is not None}
+            while pending and not afters <= done:
+                wait_one()
+
+            def ring_step(st):
+                t0 = now()
+                if st.kind == SEND:
+                    rings.post(st.peer, st.send.pack, True, st.nbytes, deadline)
+                    clock["pack"] += now() - t0
+                else:
+                    rings.post(st.peer, st.recv.unpack, False, 0, deadline)
+                    clock["unpack"] += now() - t0
+                    moved[st.path] += st.nbytes
+            _run_rings(run, rings, ring_step)
+            i = j
             continue
         if s.per_item:
             # One message per item, posted as one group (both ends group the same step's
@@ -224,6 +242,36 @@ def run_program(prog: Program, views: dict, tr: Transports, deadline: float,
     return {"bytes_by_path": moved, "sent_bytes": sent, "recv_bytes": recv,
             "peak_staging_bytes": peak_staged[1] * staging.nbytes, "transfers": len(prog.steps),
             "parts_rebuilt": rebuilt, "clock": clock}
+
+
+def _on_ring(s, rings) -> bool:
+    return (s.kind != COPY and s.path != NETWORK and rings is not None
+            and rings.has(s.peer, s.kind == SEND))
+
+
+def _run_rings(run: list, rings: RingChannel, do: Callable) -> None:
+    """Do a run of ring steps: each (peer, direction) in program order, and any whose ring is
+    ready first; when none is, the earliest step left, waiting for it. Deadlock-free as the
+    strict order is: the earliest unfinished ring transfer of the whole group is, on both of
+    its ends, either ready or the earliest step left in a run."""
+    queues: dict = {}
+    for n, st in enumerate(run):
+        queues.setdefault((st.peer, st.kind == SEND), deque()).append((n, st))
+    while queues:
+        progressed = False
+        for key in list(queues):
+            q = queues[key]
+            while q and rings.ready(*key):
+                do(q.popleft()[1])
+                progressed = True
+            if not q:
+                del queues[key]
+        if not progressed and queues:
+            key = min(queues, key=lambda k: queues[k][0][0])
+            q = queues[key]
+            do(q.popleft()[1])
+            if not q:
+                del queues[key]
 
 
 def _packed_network(s) -> bool:

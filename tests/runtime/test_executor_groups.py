@@ -104,7 +104,8 @@ class FakeNet(Channel):
 
 
 class FakeRings:
-    """Blocking two-slot rings between every pair of processes that asks for one."""
+    """Blocking two-slot rings between every pair of processes that asks for one (and a
+    readiness check that never blocks)."""
 
     slots = 2
 
@@ -113,6 +114,12 @@ class FakeRings:
 
     def has(self, peer, sending):
         return True
+
+    def ready(self, peer, sending):
+        key = (self.proc, peer) if sending else (peer, self.proc)
+        cond, q = self.shared.setdefault(key, (threading.Condition(), deque()))
+        with cond:
+            return len(q) < self.slots if sending else bool(q)
 
     def post(self, peer, fn, sending, nbytes=0, deadline=0.0):
         key = (self.proc, peer) if sending else (peer, self.proc)

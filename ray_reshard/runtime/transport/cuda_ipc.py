@@ -175,6 +175,11 @@ class CudaIpcRing(_Segment):
             torch.cuda.current_stream(d).synchronize()
 
     # -- ring interface
+    def ready(self, sending: bool) -> bool:
+        """As `_Segment.ready`, and False until the GPU buffer is open on this side (opening
+        it may wait)."""
+        return self._buf is not None and super().ready(sending)
+
     def send_slot(self, nbytes: int, deadline: float) -> torch.Tensor:
         """Wait for the receiver's buffer and a free slot; a uint8 GPU view of `nbytes` bytes."""
         self._check_open()

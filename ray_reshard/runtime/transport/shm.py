@@ -539,6 +539,14 @@ class _Segment:
         self._wake(_OFF_CONSUMED)
         self._recv_idx = None
 
+    def ready(self, sending: bool) -> bool:
+        """Whether a send (a free slot) or a receive (a published slot) could start now, without
+        waiting; never blocks (False when closed)."""
+        if self.closed:
+            return False
+        produced, consumed = self._load(_OFF_PRODUCED), self._load(_OFF_CONSUMED)
+        return produced - consumed < self.slots if sending else produced > consumed
+
     def pending(self) -> int:
         """Published slots not yet released by the consumer."""
         self._check_open()
