@@ -136,10 +136,7 @@ def _joined(name: str, specs: list[TensorSpec], offsets: list[int], shifted: dic
         for r in s0.src.mesh.ranks:
             have.setdefault(r, Slot(name))
         src_slots = Slots.from_pairs(have)
-    dst_slots = None
-    if pairs:
-        dst_slots = (Slots.same(tuple(sorted(r for r, _ in pairs)), pairs[0][1])
-                     if all(p[1] == pairs[0][1] for p in pairs) else Slots.from_pairs(pairs))
+    dst_slots = Slots.from_pairs(pairs) if pairs else None   # one Slot for all when alike
     return TensorSpec(s0.shape, s0.dtype, s0.src, dst, src_dtype=s0.src_dtype,
                       src_slots=src_slots, dst_slots=dst_slots, quant=s0.quant)
 

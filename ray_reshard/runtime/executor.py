@@ -128,6 +128,16 @@ def run_program(prog: Program, views: dict, tr: Transports, deadline: float,
         peak_staged[1] = max(peak_staged[1], peak_staged[0])
         return si, staging.buffers[si][:nbytes]
 
+    def ring_step(st):
+        t0 = now()
+        if st.kind == SEND:
+            rings.post(st.peer, st.send.pack, True, st.nbytes, deadline)
+            clock["pack"] += now() - t0
+        else:
+            rings.post(st.peer, st.recv.unpack, False, 0, deadline)
+            clock["unpack"] += now() - t0
+            moved[st.path] += st.nbytes
+
     steps = prog.steps
     n_steps = len(steps)
     # Packed network buckets are posted in groups (one NCCL launch each; see the module
@@ -160,16 +170,6 @@ def run_program(prog: Program, views: dict, tr: Transports, deadline: float,
             afters = {st.after for st in run if st.after is not None}
             while pending and not afters <= done:
                 wait_one()
-
-            def ring_step(st):
-                t0 = now()
-                if st.kind == SEND:
-                    rings.post(st.peer, st.send.pack, True, st.nbytes, deadline)
-                    clock["pack"] += now() - t0
-                else:
-                    rings.post(st.peer, st.recv.unpack, False, 0, deadline)
-                    clock["unpack"] += now() - t0
-                    moved[st.path] += st.nbytes
             _run_rings(run, rings, ring_step)
             i = j
             continue

@@ -61,7 +61,8 @@ from typing import Optional
 
 import numpy as np
 
-from ..core.plan import DEFAULT_BUCKET_BYTES, MAX_WINDOW, Plan, default_window, parent_key
+from ..core.plan import (DEFAULT_BUCKET_BYTES, MAX_WINDOW, Plan, default_window, parent_key,
+                         rotation)
 from ..core.planner import DOMAIN, LOCAL, NETWORK
 from .cluster import Cluster
 
@@ -297,7 +298,7 @@ def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
     # then its target
     first_s = np.where(forwarded & (par >= 0), par, snd)
     first_r = np.where(forwarded & (par >= 0), snd, rcv)
-    rot = (first_r - n_src - first_s) % max(n_src, world - n_src)    # plan.rotation
+    rot = rotation(first_s, first_r - n_src, n_src, world - n_src)
     last_r = np.where(forwarded, rcv, -1)
     # plan.forward_key: forwards by ring rotation, then descending forwarder
     fwd_rot = np.where(forwarded, (rcv - snd) % max(world - n_src, 1), 0)
@@ -488,12 +489,10 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, send
         used_msg[p] -= n
         seq_done[p] = seq
 
-    rot_mod = max(n_src, world - n_src, 1)         # plan.rotation
-
     def group_key(i):
         if path[i] != 0 or per_item[i] or not span:
             return None
-        return (rnd[i], ((rcv[i] - n_src - snd[i]) % rot_mod) // span)
+        return (rnd[i], rotation(snd[i], rcv[i] - n_src, n_src, world - n_src) // span)
 
     n = len(rnd)
     i = 0
