@@ -282,9 +282,12 @@ _PATH_ORDER = {NETWORK: 0, DOMAIN: 1, LOCAL: 2}
 def build_schedule(plan: Plan, bucket_bytes: int) -> Schedule:
     """Pack moves into buckets per (sender, receiver, path) and order them.
 
-    A forwarded piece (a destination passing a network piece on inside its domain) is packed
-    into a bucket that sorts after the network buckets of the next round (`forward_key`), so
-    the domain exchange of round k overlaps the network transfers of round k+1.
+    Forwarded pieces (a destination passing network pieces on inside its domain) are packed
+    per (forwarder, target, path, round): what a forwarder passes to one target out of all its
+    network buckets of round k, in their key order, into buckets that sort after the network
+    buckets of round k+1 (`forward_key`), so the domain exchange of round k overlaps the
+    network transfers of round k+1 and costs one ring transfer per target and round, not one
+    per network bucket and target.
 
     Linear in the number of moves (plus sorting the transfers).
     """
@@ -301,6 +304,8 @@ def build_schedule(plan: Plan, bucket_bytes: int) -> Schedule:
     pair_items: dict[tuple, list[tuple[Item, int, Box]]] = defaultdict(list)
     # (forwarder dst rank, tensor, box of the network move) -> [(target dst rank, path)]
     forwards: dict[tuple, list[tuple[int, str]]] = defaultdict(list)
+    # (forwarder, target, path, round) -> {network bucket key: its entries forwarded there}
+    fwd_into: dict[tuple, dict] = defaultdict(lambda: defaultdict(list))
     transfers: list[Transfer] = []
     with gc_paused():
         for ti, tp in enumerate(plan.tensor_plans):
@@ -326,15 +331,15 @@ def build_schedule(plan: Plan, bucket_bytes: int) -> Schedule:
                 transfers.append(_transfer(isz, key, src, dst, path, bucket))
                 if path != NETWORK:
                     continue
-                fwd: dict[tuple, list] = defaultdict(list)
                 for entry in bucket:
                     item = entry[0]
-                    for target_path in forwards.get((dst, item.tensor, entry[2]), ()):
-                        fwd[target_path].append(entry)
-                for (target, fpath), fentries in sorted(fwd.items()):
-                    fkey = forward_key(key, target, topo.n_dst)
-                    transfers.append(_transfer(isz, fkey, Endpoint("dst", dst), target, fpath,
-                                               fentries))
+                    for target, fpath in forwards.get((dst, item.tensor, entry[2]), ()):
+                        fwd_into[(dst, target, fpath, k)][key].append(entry)
+        for (f, target, fpath, k), parts in fwd_into.items():
+            for c, (parent, fentries) in enumerate(_forward_buckets(parts, bucket_bytes, 1)):
+                fkey = forward_key(k, f, target, fpath, c, parent, n_src, topo.n_dst)
+                transfers.append(_transfer(isz, fkey, Endpoint("dst", f), target, fpath,
+                                           fentries))
         return Schedule(transfers, bucket_bytes)
 
 
@@ -463,6 +468,7 @@ def _share(plan: Plan, mine: frozenset, bucket_bytes: int) -> list[Transfer]:
         return by_k.items()
 
     any_forwards = any(f is not None for f in forwards)
+    fwd_into: dict[tuple, dict] = defaultdict(lambda: defaultdict(list))
     for i, (src, dst, path, ours) in enumerate(pair_keys):
         rot = rotation(src.rank, dst, n_src, plan.topology.n_dst)
         gsrc = src.rank if src.side == "src" else n_src + src.rank
@@ -473,19 +479,19 @@ def _share(plan: Plan, mine: frozenset, bucket_bytes: int) -> list[Transfer]:
                 emit(key, src, dst, path, bucket)
             if path != NETWORK or not any_forwards:
                 continue
-            fwd: dict[tuple, list] = defaultdict(list)
             for entry in bucket:
                 fw = forwards[entry[1]]
                 fs = None if fw is None else fw.get(dst)
                 if fs is None:
                     continue
                 parent = entry[3]
-                for box, target_path in fs:
-                    if box == parent and (forwarder_mine or target_path[0] in my_dst):
-                        fwd[target_path].append(entry)
-            for (target, fpath), fentries in sorted(fwd.items()):
-                emit(forward_key(key, target, plan.topology.n_dst), Endpoint("dst", dst), target,
-                     fpath, fentries)
+                for box, (target, fpath) in fs:
+                    if box == parent and (forwarder_mine or target in my_dst):
+                        fwd_into[(dst, target, fpath, k)][key].append(entry)
+    for (f, target, fpath, k), parts in fwd_into.items():
+        for c, (parent, fentries) in enumerate(_forward_buckets(parts, bucket_bytes, 0)):
+            emit(forward_key(k, f, target, fpath, c, parent, n_src, plan.topology.n_dst),
+                 Endpoint("dst", f), target, fpath, fentries)
     transfers.sort(key=lambda t: t.key)
     return transfers
 
@@ -543,22 +549,67 @@ def rotation(src: int, dst: int, n_src: int, n_dst: int) -> int:
     return (dst - src) % max(n_src, n_dst)
 
 
-def forward_key(parent: tuple, target: int, n_dst: int) -> tuple:
-    """Order key of a forwarded bucket: after every network bucket of the next round, so a
-    receiver has the next round's network receives in flight while it forwards this one.
+# A forwarded bucket's key holds this where a network bucket's holds its sender: it sorts after
+# the network buckets of its rotation.
+FORWARDED = 1 << 40
 
-    Within a round, forwards go by ring rotation `(target - forwarder) mod n_dst` (each
-    forwarder sends to one target and each target takes from one forwarder per rotation), and
-    within a rotation by descending forwarder: then every forwarder but the few lowest sends
-    before it receives, so the domain's forwards do not wait on each other in a chain."""
-    f = parent[4]
-    return (parent[0] + 1, len(_PATH_ORDER), (target - f) % n_dst, -f) + parent[1:5] + (target,)
+
+def forward_key(round_: int, forwarder: int, target: int, path: str, chunk: int,
+                parent: tuple, n_src: int, n_dst: int) -> tuple:
+    """Order key of forwarded bucket `chunk` from `forwarder` to `target`: what the forwarder
+    passes on to that target out of its round-`round_` network buckets, merged and cut into
+    buckets. `parent` is the key of the last network bucket whose data it holds (a process's
+    network buckets complete in key order, so the others have completed by then).
+
+    The chunks go into round `round_ + 1`, spread over its rotations: chunk c of the pair at
+    ring rotation j = (target - forwarder) mod n_dst sorts right after the network buckets of
+    rotation (j + c) mod max(n_src, n_dst). So a forwarder passes round k on a little after
+    each network step of round k + 1, while those receives are in flight, instead of all at
+    once between two rounds. Within a rotation, forwards go by ring rotation (each forwarder
+    sends to one target and each target takes from one forwarder per ring rotation), then by
+    descending forwarder: every forwarder but the few lowest sends before it receives, so
+    the domain's forwards do not wait on each other in a chain."""
+    j = (target - forwarder) % n_dst
+    return (round_ + 1, _PATH_ORDER[NETWORK], (j + chunk) % max(n_src, n_dst), FORWARDED, j,
+            -forwarder, target, _PATH_ORDER[path], chunk, parent[2], parent[3])
+
+
+def is_forward_key(key: tuple) -> bool:
+    return len(key) > 3 and key[3] == FORWARDED
 
 
 def parent_key(forward: "Transfer") -> tuple:
-    """Key of the network bucket whose data a forwarded bucket passes on."""
+    """Key of the last network bucket whose data a forwarded bucket passes on."""
     k = forward.key
-    return (k[0] - 1,) + k[4:8] + (0, -1)
+    return (k[0] - 1, _PATH_ORDER[NETWORK], k[9], k[10], -k[5], 0, -1)
+
+
+def run_order(key: tuple, span: int) -> tuple:
+    """Where a step runs when network buckets are posted in groups of `span` rotations: the
+    key order, except that forwarded buckets sorting inside a group's rotations run right after
+    that group (so a group is never cut in two). Every process uses the same order."""
+    if key[1] != _PATH_ORDER[NETWORK] or span <= 1:
+        return key
+    return (key[0], key[1], key[2] // span, key[3] == FORWARDED) + key[2:]
+
+
+def _forward_buckets(parts: dict, bucket_bytes: int, size_at: int) -> list[tuple]:
+    """One (forwarder, target, path, round)'s forwarded entries, `parts` {network bucket key:
+    entries}, in network key order cut into buckets of at most `bucket_bytes`:
+    [(key of the last network bucket drawn from, entries)]."""
+    out, cur, cur_bytes, last = [], [], 0, None
+    for key in sorted(parts):
+        for e in parts[key]:
+            nb = e[size_at]
+            if cur and cur_bytes + nb > bucket_bytes:
+                out.append((last, cur))
+                cur, cur_bytes = [], 0
+            cur.append(e)
+            cur_bytes += nb
+            last = key
+    if cur:
+        out.append((last, cur))
+    return out
 
 
 def _item(tensor: int, box: Box) -> Item:

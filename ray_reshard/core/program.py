@@ -35,7 +35,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from . import quant as _quant
-from .plan import Plan, Transfer, build_share, gc_paused, parent_key
+from .plan import Plan, Transfer, build_share, gc_paused, parent_key, run_order
 from .planner import NETWORK, Endpoint
 
 SEND, RECV, COPY = "send", "recv", "copy"
@@ -264,6 +264,17 @@ class Program:
     _users: Optional[list] = None  # per held index: the parts reading or writing that shard
     _token: Any = None             # the caller's name for the views bound last (see bind)
     finishers: list = field(default_factory=list)   # see quant.Finisher
+    _orders: dict = field(default_factory=dict)      # span -> steps in `run_order`
+
+    def ordered(self, span: int) -> list:
+        """The steps in the order they run with network groups of `span` rotations
+        (`plan.run_order`: the key order, forwards inside a group's rotations after it)."""
+        if span <= 1:
+            return self.steps
+        got = self._orders.get(span)
+        if got is None:
+            got = self._orders[span] = sorted(self.steps, key=lambda st: run_order(st.key, span))
+        return got
 
     @property
     def n_items(self) -> int:

@@ -3,9 +3,10 @@
 Channels. Every transport is reached through one small interface, `channel.Channel`
 (post / complete / abort); see `channel.py`.
 
-Order. Steps run in the program's order, which is the global key order every process agrees on
-(see `Schedule`): a posted transfer completes once both of its ends posted it, so the earliest
-unfinished transfer can always finish.
+Order. Steps run in the global key order every process agrees on (see `Schedule`), where network
+groups span several rotations with the forwards sorting inside a group's rotations moved right
+after it (`plan.run_order`, the same for every process): a posted transfer completes once both
+of its ends posted it, so the earliest unfinished transfer can always finish.
 
 Groups. Packed network buckets are posted in groups (`Channel.post_group`: one NCCL launch,
 one handle). NCCL runs a process's groups one after another, and a group completes only when
@@ -21,9 +22,10 @@ Rings. A run of consecutive ring (domain) steps runs as a unit once the network 
 forwards pass on have completed: each peer's buckets in program order (a ring is first in,
 first out), but whichever peer's ring is ready first (a free slot to send into, a published
 one to take), and only when none is, the earliest step left, waiting for it. So a destination
-does not wait for one forwarder while another's bucket sits ready. A forwarded piece is sent
-only once the network bucket that brought it in has completed; it sorts one round behind it,
-so the next round's network receives are already in flight meanwhile.
+does not wait for one forwarder while another's bucket sits ready. What a forwarder passes to
+one target out of a round is merged into few buckets, sent only once the network buckets that
+brought it in have completed; they sort into the next round, spread over its rotations
+(`plan.forward_key`), so the next round's network receives are in flight meanwhile.
 
 Strategies (`reshard`, `gather_broadcast`) are objects in `strategies.py`; the reshard strategy
 runs its programs with `run_program` here.
@@ -138,12 +140,12 @@ def run_program(prog: Program, views: dict, tr: Transports, deadline: float,
             clock["unpack"] += now() - t0
             moved[st.path] += st.nbytes
 
-    steps = prog.steps
-    n_steps = len(steps)
     # Packed network buckets are posted in groups (one NCCL launch each; see the module
     # docstring): rounds of the schedule cut into spans of `span` rotations, the same cut on
     # every process, so each group holds at most `span` sends and `span` receives.
     span = window // 2
+    steps = prog.ordered(span)
+    n_steps = len(steps)
     i = 0
     while i < n_steps:
         s = steps[i]

@@ -18,7 +18,7 @@ import time
 
 from ..cli_args import MODELS, even_out_stages, infer_arg, model_arg, train_arg
 from .cluster import GB, PRESETS, preset
-from .engine import gather_broadcast_seconds, simulate
+from .engine import RING_RECV, gather_broadcast_seconds, simulate
 
 
 class _Exit(Exception):
@@ -51,9 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--window", type=int, default=None,
                     help="staged buckets in flight per process (default: the executor's, as "
                          "many as fit in 128 MiB, 2 to 16)")
-    ap.add_argument("--ring-recv", default="in_order", choices=("in_order", "as_ready"),
-                    help="in_order: ring (domain) receives wait in the schedule's order, as the "
-                         "executor does; as_ready: what-if, taken whenever they arrive")
+    ap.add_argument("--ring-recv", default="runs", choices=RING_RECV,
+                    help="runs: as the executor does, each run of ring (domain) steps takes "
+                         "whichever bucket is ready first; in_order: strictly in the "
+                         "schedule's order; as_ready: what-if, taken whenever they arrive")
     ap.add_argument("--gpus-per-domain", type=int)
     ap.add_argument("--nvlink-gbps", type=float, help="NVLink GB/s per GPU per direction")
     ap.add_argument("--nic-gbit", type=float, help="NIC Gb/s per GPU per direction")
@@ -133,8 +134,8 @@ def render(o: dict) -> str:
            if o["mode"] == "aggregate" else " (the schedule's buckets)"),
         "",
         f"reshard            predicted {o['predicted_s']:8.3f} s"
-        + ("  (what-if: ring receives taken as they arrive)" if o["ring_recv"] == "as_ready"
-           else ""),
+        + {"as_ready": "  (what-if: ring receives taken as they arrive)",
+           "in_order": "  (ring steps strictly in key order)"}.get(o["ring_recv"], ""),
         f"  bound            {o['bound_s']:8.3f} s  (busiest NIC {o['nic_bound_s']:.3f} s, "
         f"busiest NVLink {o['nvlink_bound_s']:.3f} s); predicted / bound = "
         f"{o['predicted_s'] / o['bound_s'] if o['bound_s'] else float('nan'):.2f}",

@@ -48,6 +48,8 @@ class Cluster:
                                               # as their own messages (None: buckets packed)
     cpu_cores: Optional[int] = None     # ranks share this many cores (None: each its own)
     broadcast: str = "ring"             # "ring": pipelined (NCCL); "flat": root sends each copy (gloo)
+    pack_over_link: bool = False        # a ring sender packs straight into the receiver's slot
+                                        # over the link (CUDA IPC): copy and transfer are one
 
     def __post_init__(self):
         if self.gpus_per_domain < 1:
@@ -76,6 +78,8 @@ class Cluster:
         if self.per_item_min_bytes is not None:
             s += (f", items of {self.per_item_min_bytes >> 10} KiB or more sent as their own "
                   f"messages ({self.message_s * 1e6:.1f} us each per end)")
+        if self.pack_over_link:
+            s += ", ring senders pack over the link"
         if self.cpu_cores:
             s += f", all ranks on {self.cpu_cores} CPU cores"
         if self.fabric_Bps:
@@ -88,11 +92,11 @@ class Cluster:
 PRESETS = {
     # DGX H100: NVLink 4 (900 GB/s bidirectional per GPU), one 400 Gb/s ConnectX-7 per GPU.
     "dgx-h100": Cluster("dgx-h100", 8, 450 * GB, 400 / 8 * GB, latency_s=20e-6,
-                        item_s=REPLAY_ITEM_S),
+                        item_s=REPLAY_ITEM_S, pack_over_link=True),
     # GB200 NVL72: 72 GPUs in one NVLink 5 domain (1.8 TB/s bidirectional per GPU), one
     # 400 Gb/s ConnectX-7 per GPU to the scale-out fabric.
     "gb200-nvl72": Cluster("gb200-nvl72", 72, 900 * GB, 400 / 8 * GB, latency_s=20e-6,
-                           item_s=REPLAY_ITEM_S),
+                           item_s=REPLAY_ITEM_S, pack_over_link=True),
     # This machine's two simulated nodes (every rank shares 2 CPU cores): gloo over loopback as
     # the network, shared-memory rings as the domain links (their rate without the copies,
     # which are CPU work). Figures measured by

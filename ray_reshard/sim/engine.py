@@ -2,9 +2,10 @@
 
 Model
 -----
-Every process runs its share of the schedule in the global key order (round, path, rotation,
-...), as the executor does; the simulator walks that order once and keeps per process a
-program clock (its CPU), the end of its last network group, and its network groups in flight:
+Every process runs its share of the schedule in the order the executor runs it (the global
+key order, `plan.run_order` where network groups span several rotations); the simulator walks
+that order once and keeps per process a program clock (its CPU, or on GPU its stream), the end
+of its last network group, and its network groups in flight:
 
 * network buckets are posted in groups: a run of keys with the same round and the same span of
   `window // 2` rotations (on a CPU cluster, a bucket whose items all travel as their own
@@ -16,14 +17,18 @@ program clock (its CPU), the end of its last network group, and its network grou
   ends' groups started and its bytes moved, no sooner than its sender's (receiver's) bytes of
   the group could leave (arrive) at the NIC's rate; a group ends with its last message plus
   one `latency_s`;
-* a domain (ring) bucket is packed by its sender into the receiver's slot over NVLink (the
-  sender waits for it: NVLink send and receive ports of both ends are busy meanwhile, plus
-  `ring_latency_s`); the receiver takes it when it reaches that step and unpacks it (the what-if
-  `ring_recv="as_ready"` lets it take the bucket whenever it is there instead, without holding
-  up the rest of its program);
-* a forwarded bucket sorts one round after the network bucket that brought its data, behind the
-  next round's network groups: the forwarder first completes its groups up to that bucket, so the
-  next round's receives are in flight while it forwards;
+* a domain (ring) bucket is packed by its sender into the receiver's slot (the sender waits for
+  it: NVLink send and receive ports of both ends are busy meanwhile, plus `ring_latency_s`;
+  with `pack_over_link`, GPU clusters, the packing copy is the link transfer, else it comes
+  first). The receiver takes it as the executor does (`ring_recv="runs"`): within a run of
+  consecutive ring steps of its program, at once when it has arrived by the time the process
+  reaches it, else after the run's other ready work, and the run ends once all have arrived and
+  are unpacked. `"in_order"` takes each strictly when reached, in key order; the what-if
+  `"as_ready"` whenever it is there, without holding up the rest of the program;
+* forwarded buckets (what a forwarder passes to one target out of a round's network buckets,
+  merged) sort into the next round, spread over its rotations: the forwarder first completes
+  its groups up to the last network bucket they draw from, so the next round's receives are in
+  flight while it forwards;
 * CPU work per bucket end: `item_s` per item (and `message_s` per message where items travel
   as their own messages) plus its copies: bytes of strided regions at
   `copy_Bps`, of contiguous regions at `contig_copy_Bps`; network items in place (CPU wire
@@ -39,10 +44,11 @@ Predicted = max(replay, floor) + `refit_overhead_s`.
 Two ways to get the buckets: `exact` walks `Plan.schedule(bucket_bytes).transfers` (the buckets
 the executor runs); `aggregate` sums each (sender, receiver, path) pair's bytes, items and
 copies from the plan's moves and cuts them into buckets of `bucket_bytes` the way the schedule
-does (a forwarded pair's bytes spread over the buckets of the network pair that brings them),
-in the same key order, which avoids building the schedule (millions of items at DeepSeek-V3
-scale). Both give the same byte counts per round up to how items pack into buckets; a
-forward waits for all of its forwarder's older groups in the aggregate replay.
+does, in the same key order, which avoids building the schedule (millions of items at
+DeepSeek-V3 scale). A forwarded (source, forwarder, target) total fills its share of the
+network pair's rounds (all of them where the target takes everything the pair brings); per
+(forwarder, target, round) the totals are merged and cut into buckets placed as
+`plan.forward_key` places them, and a forward waits for all of its forwarder's older rounds.
 
 The bound is what no schedule can beat on this plan: the busiest NIC's bytes over its
 bandwidth, the same for NVLink, and the fabrics' caps. `balanced_bound_s` is the network lower
@@ -61,20 +67,24 @@ from typing import Optional
 
 import numpy as np
 
-from ..core.plan import (DEFAULT_BUCKET_BYTES, MAX_WINDOW, Plan, default_window, parent_key,
-                         rotation)
+from ..core.plan import (DEFAULT_BUCKET_BYTES, FORWARDED, MAX_WINDOW, Plan, default_window,
+                         parent_key, rotation)
 from ..core.planner import DOMAIN, LOCAL, NETWORK
 from .cluster import Cluster
 
 PATH_CODE = {NETWORK: 0, DOMAIN: 1, LOCAL: 2}   # also the key's order of the paths
-FORWARD_ORDER = 3                                # a forwarded bucket's order in its key
+FORWARD_ORDER = 3                                # a forwarded bucket's `order` below
+# How a process takes its ring (domain) buckets: "runs", as the executor does (within a run of
+# consecutive ring steps, whichever is ready first); "in_order", strictly in key order;
+# "as_ready", a what-if: whenever they arrive, without holding up the rest of its program.
+RING_RECV = ("runs", "in_order", "as_ready")
 
 
 @dataclass
 class Messages:
     """One row per bucket, in the schedule's global order.
 
-    `order` is the key's second field (0 network, 1 domain, 2 local, 3 forwarded); `parent` is
+    `order` is 0 network, 1 domain, 2 local, 3 forwarded; `parent` is
     the row of the network bucket a forwarded one passes on (-1: none, or unknown in the
     aggregate replay). Copied bytes per end: `strided_*` out of or into a strided region of the
     local shard, `contig_*` a contiguous one; the rest of a bucket's bytes move in place when
@@ -95,6 +105,7 @@ class Messages:
     per_item: np.ndarray
     parent: np.ndarray
     mode: str
+    slot: Optional[np.ndarray] = None   # the key's rotation field (network groups, forwards)
 
 
 # Network items at least this large travel as their own messages on CPU devices (the
@@ -190,12 +201,14 @@ def messages_exact(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Mess
     n = len(ts)
     cols = [np.empty(n, dtype=np.int64) for _ in range(12)]
     rnd, order, snd, rcv, pth, nb, it, ss, sr, cs, cr, parent = cols
+    slot = np.empty(n, dtype=np.int64)
     per_item = np.zeros(n, dtype=bool)
     staging = _Staging(plan)
     isz = [spec.itemsize for spec in plan.specs]
     row_of: dict = {}
     for i, t in enumerate(ts):
-        rnd[i], order[i] = t.key[0], t.key[1]
+        rnd[i], slot[i] = t.key[0], t.key[2]
+        order[i] = FORWARD_ORDER if t.src.side == "dst" else t.key[1]
         snd[i] = t.src.rank if t.src.side == "src" else n_src + t.src.rank
         rcv[i] = n_src + t.dst
         pth[i] = code = PATH_CODE[t.path]
@@ -213,14 +226,18 @@ def messages_exact(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Mess
         per_item[i] = code == 0 and smallest is not None and smallest >= IN_PLACE_MIN_BYTES
         if code == 0:
             row_of[t.key] = i
-        parent[i] = row_of.get(parent_key(t), -1) if t.key[1] == FORWARD_ORDER else -1
-    return Messages(rnd, order, snd, rcv, pth, nb, it, ss, sr, cs, cr, per_item, parent, "exact")
+        parent[i] = row_of.get(parent_key(t), -1) if order[i] == FORWARD_ORDER else -1
+    return Messages(rnd, order, snd, rcv, pth, nb, it, ss, sr, cs, cr, per_item, parent, "exact",
+                    slot)
 
 
 def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Messages:
     """Per (sender, receiver, path) byte and item totals cut into buckets of bucket_bytes, in
-    the schedule's key order (round, order, rotation, sender, receiver)."""
+    the schedule's key order: a pair's k-th bucket in round k; what a forwarder passes on to one
+    target out of round k (each network pair's forwarded bytes spread evenly over that pair's
+    buckets) merged and cut into buckets placed as `plan.forward_key` places them."""
     n_src, world = _gpu(plan)
+    n_dst = world - n_src
     uses: dict[int, list] = {}
     for tp in plan.tensor_plans:
         u = uses.get(id(tp))
@@ -262,57 +279,65 @@ def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
             for j in range(6):
                 e[j] += count * v[j]
             e[6] = min(e[6], v[6])
-    if not pairs:
-        z = np.zeros(0, dtype=np.int64)
-        return Messages(z, z, z, z, z, z, z, z, z, z, z, z.astype(bool), z, "aggregate")
-    keys = np.array(list(pairs), dtype=np.int64)
-    vals = np.array(list(pairs.values()), dtype=np.int64)
-    tot, items = vals[:, 0], vals[:, 1]
-    nbk = np.maximum(1, -(-tot // bucket_bytes))
-    fwd = keys[:, 3] >= 0
-    # A forwarded piece travels in the forward of the network bucket that brought it: spread
-    # each (source, forwarder, target) total evenly over that network pair's buckets.
-    net_nbk = {(int(a), int(b)): int(n) for (a, b, c, _), n in zip(keys, nbk) if c == 0}
-    spread = np.array([net_nbk.get((int(k[3]), int(k[0])), 0) if f else 0
-                       for k, f in zip(keys, fwd)], dtype=np.int64)
-    nbk = np.where(fwd & (spread > 0), spread, nbk)
-    even = fwd & (spread > 0)
-    rep = np.repeat(np.arange(len(tot)), nbk)
-    first = np.cumsum(nbk) - nbk
-    k_in_pair = np.arange(len(rep)) - first[rep]
-    last = k_in_pair == nbk[rep] - 1
-    n, t = nbk[rep], tot[rep]
-    nbytes = np.where(even[rep], t // n + (k_in_pair < t % n),
-                      np.where(last, t - (n - 1) * bucket_bytes, bucket_bytes))
-    # items spread evenly over a pair's buckets (each bucket holds at least one)
-    it = np.maximum(1, items[rep] // n + (k_in_pair < items[rep] % n))
-    share = nbytes / t.clip(min=1)
-    copied = [(vals[rep, j].astype(np.float64) * share).astype(np.int64) for j in (2, 3, 4, 5)]
-    path = keys[rep, 2]
-    forwarded = fwd[rep]
-    rnd = k_in_pair + forwarded
-    order = np.where(forwarded, FORWARD_ORDER, path)
-    snd, rcv, par = keys[rep, 0], keys[rep, 1], keys[rep, 3]
-    per_item = (path == 0) & (vals[rep, 6] >= IN_PLACE_MIN_BYTES)
-    # the schedule's key: a forward sorts by its network bucket's rotation, source, forwarder,
-    # then its target
-    first_s = np.where(forwarded & (par >= 0), par, snd)
-    first_r = np.where(forwarded & (par >= 0), snd, rcv)
-    rot = rotation(first_s, first_r - n_src, n_src, world - n_src)
-    last_r = np.where(forwarded, rcv, -1)
-    # plan.forward_key: forwards by ring rotation, then descending forwarder
-    fwd_rot = np.where(forwarded, (rcv - snd) % max(world - n_src, 1), 0)
-    fwd_desc = np.where(forwarded, -(snd - n_src), 0)
-    o = np.lexsort((last_r, first_r, first_s, rot, fwd_desc, fwd_rot, order, rnd))
-    return Messages(rnd[o], order[o], snd[o], rcv[o], path[o], nbytes[o], it[o], copied[0][o],
-                    copied[2][o], copied[1][o], copied[3][o], per_item[o],
-                    np.full(len(o), -1, dtype=np.int64), "aggregate")
+    n_rot = max(n_src, n_dst)
+    rows = []       # (key, sender, receiver, path, bytes, items, 4 copied counts, per item)
+    net_of = {}
+    for (snd, rcv, code, parent), v in pairs.items():
+        if parent < 0:
+            net_of[(snd, rcv)] = (max(1, -(-v[0] // bucket_bytes)), v[0])
+    # what each forwarder passes to each target per round: (f, t, path, k) -> totals
+    fwd: dict[tuple, list] = defaultdict(lambda: [0.0] * 6)
+    for (snd, rcv, code, parent), v in pairs.items():
+        if parent >= 0:
+            # The pieces a target takes from a network pair fill about their share of that
+            # pair's buckets (all of them where it takes everything the pair brings): spread
+            # them over that many of the pair's rounds, evenly, staggered by target.
+            nbk, pair_bytes = net_of.get((parent, snd), (1, v[0]))
+            m = max(1, min(nbk, -(-v[0] * nbk // max(1, pair_bytes))))
+            for i in range(m):
+                e = fwd[(snd, rcv, code, (parent + rcv + i * nbk // m) % nbk)]
+                for j in range(6):
+                    e[j] += v[j] / m
+            continue
+        n = net_of[(snd, rcv)][0]
+        tot, items = v[0], v[1]
+        rot = rotation(snd, rcv - n_src, n_src, n_dst)
+        for k in range(n):
+            nb = bucket_bytes if k < n - 1 else tot - (n - 1) * bucket_bytes
+            share = nb / max(1, tot)
+            it = max(1, items // n + (k < items % n))
+            rows.append(((k, code, rot, snd, rcv - n_src, 0, -1), snd, rcv, code, nb, it,
+                         *(int(v[j] * share) for j in (2, 3, 4, 5)),
+                         code == 0 and v[6] >= IN_PLACE_MIN_BYTES))
+    for (f, t, code, k), v in fwd.items():
+        tot = int(round(v[0]))
+        n = max(1, -(-tot // bucket_bytes))
+        ring_rot = (t - f) % max(n_dst, 1)
+        for c in range(n):
+            nb = bucket_bytes if c < n - 1 else tot - (n - 1) * bucket_bytes
+            share = nb / max(1, tot)
+            it = max(1, int(round(v[1] / n)))
+            key = (k + 1, 0, (ring_rot + c) % n_rot, FORWARDED, ring_rot, -(f - n_src), t - n_src,
+                   code, c)
+            rows.append((key, f, t, code, nb, it, *(int(v[j] * share) for j in (2, 3, 4, 5)),
+                         False))
+    rows.sort(key=lambda r: r[0])
+    n = len(rows)
+    col = lambda j, dt=np.int64: np.fromiter((r[j] for r in rows), dtype=dt, count=n)
+    keys = [r[0] for r in rows]
+    fwd_row = np.fromiter((len(k) > 3 and k[3] == FORWARDED for k in keys), dtype=bool, count=n)
+    path = col(3)
+    return Messages(np.fromiter((k[0] for k in keys), dtype=np.int64, count=n),
+                    np.where(fwd_row, FORWARD_ORDER, path), col(1), col(2), path, col(4),
+                    col(5), col(6), col(8), col(7), col(9), col(10, bool),
+                    np.full(n, -1, dtype=np.int64), "aggregate",
+                    np.fromiter((k[2] for k in keys), dtype=np.int64, count=n))
 
 
 def simulate(plan: Plan, cluster: Cluster, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
              mode: str = "auto", timeline_rank: Optional[tuple] = None,
              exact_max_moves: int = 200_000, window: Optional[int] = None,
-             ring_recv: str = "in_order") -> SimResult:
+             ring_recv: str = "runs") -> SimResult:
     """Predict the refit time of `plan` on `cluster` (see the module docstring).
 
     `mode`: "exact" (replay the schedule), "aggregate" (per-pair byte counts per round) or
@@ -329,8 +354,9 @@ def simulate(plan: Plan, cluster: Cluster, bucket_bytes: int = DEFAULT_BUCKET_BY
                                or not 1 <= window <= MAX_WINDOW):
         raise ValueError(f"window must be an int in 1..{MAX_WINDOW} (or None: the executor's "
                          f"default for bucket_bytes), got {window!r}")
-    if ring_recv not in ("in_order", "as_ready"):
-        raise ValueError(f"ring_recv must be 'in_order' or 'as_ready', got {ring_recv!r}")
+    if ring_recv not in RING_RECV:
+        raise ValueError(f"ring_recv must be one of {', '.join(map(repr, RING_RECV))}, "
+                         f"got {ring_recv!r}")
     if mode == "auto":
         mode = "exact" if plan.stats.n_moves <= exact_max_moves else "aggregate"
     msgs = (messages_exact if mode == "exact" else messages_aggregate)(plan, bucket_bytes)
@@ -361,9 +387,10 @@ def _link_names(n_src: int, world: int) -> list[str]:
     return [f"{who(g)} {k}" for k in kinds for g in range(world)]
 
 
-def _work(msgs: Messages, cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
+def _work(msgs: Messages, cluster: Cluster) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """CPU seconds per bucket at its sender and at its receiver: per item, plus its copies (on
-    a device without per-item messages every network byte is staged, contiguous or not)."""
+    a device without per-item messages every network byte is staged, contiguous or not); and
+    the sender's copy seconds alone."""
     ss, cs = msgs.strided_send.astype(np.float64), msgs.contig_send.astype(np.float64)
     sr, cr = msgs.strided_recv.astype(np.float64), msgs.contig_recv.astype(np.float64)
     if cluster.per_item_min_bytes is None:
@@ -373,20 +400,21 @@ def _work(msgs: Messages, cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
     base = msgs.items * cluster.item_s
     if cluster.per_item_min_bytes is not None and cluster.message_s:
         base = base + np.where(msgs.per_item, msgs.items * cluster.message_s, 0.0)
-    return (base + ss / cluster.copy_Bps + cs / cluster.contig_copy_Bps,
-            base + sr / cluster.copy_Bps + cr / cluster.contig_copy_Bps)
+    send_copy = ss / cluster.copy_Bps + cs / cluster.contig_copy_Bps
+    return (base + send_copy, base + sr / cluster.copy_Bps + cr / cluster.contig_copy_Bps,
+            send_copy)
 
 
 def replay(plan: Plan, msgs: Messages, cluster: Cluster, bucket_bytes: int,
            timeline_rank: Optional[tuple] = None, window: Optional[int] = None,
-           ring_recv: str = "in_order") -> SimResult:
+           ring_recv: str = "runs") -> SimResult:
     n_src, world = _gpu(plan)
     st = plan.stats
     W = window or default_window(bucket_bytes)
     net = msgs.path == PATH_CODE[NETWORK]
     dom = msgs.path == PATH_CODE[DOMAIN]
     R = int(msgs.round.max()) + 1 if len(msgs.round) else 0
-    send_work, recv_work = _work(msgs, cluster)
+    send_work, recv_work, send_copy = _work(msgs, cluster)
     prep = tensors_per_process(plan) * cluster.tensor_s
 
     total = np.zeros(4 * world)
@@ -402,8 +430,9 @@ def replay(plan: Plan, msgs: Messages, cluster: Cluster, bucket_bytes: int,
         side, r = timeline_rank
         g = r if side == "src" else n_src + r
 
+    msgs = _in_run_order(msgs, W // 2)
     cpu, rows = _replay_processes(msgs, cluster, W, world, send_work, recv_work, prep, g,
-                                  ring_recv, n_src=n_src)
+                                  ring_recv, n_src=n_src, send_copy=send_copy)
     replay_s = float(cpu.max()) if world else 0.0
 
     # Shared resources: all network bytes cross `fabric_Bps`, all domain bytes
@@ -443,9 +472,30 @@ def replay(plan: Plan, msgs: Messages, cluster: Cluster, bucket_bytes: int,
                      float(work_by_proc.max()) if world else 0.0, W, replay_s, shared)
 
 
+def _in_run_order(msgs: Messages, span: int) -> Messages:
+    """The rows in the order processes run them with network groups of `span` rotations
+    (`plan.run_order`: forwards sorting inside a group's rotations run right after it)."""
+    if span <= 1 or msgs.slot is None or not len(msgs.round):
+        return msgs
+    fwd = msgs.order == FORWARD_ORDER
+    first = np.where(fwd, 0, msgs.order)
+    block = np.where(first == 0, msgs.slot // span, 0)
+    o = np.lexsort((np.arange(len(fwd)), fwd & (first == 0), block, first, msgs.round))
+    if np.array_equal(o, np.arange(len(o))):
+        return msgs
+    inv = np.empty_like(o)
+    inv[o] = np.arange(len(o))
+    par = msgs.parent[o]
+    cols = {f: getattr(msgs, f)[o] for f in ("round", "order", "sender", "receiver", "path",
+                                             "nbytes", "items", "strided_send", "strided_recv",
+                                             "contig_send", "contig_recv", "per_item", "slot")}
+    return Messages(parent=np.where(par >= 0, inv[np.maximum(par, 0)], -1), mode=msgs.mode,
+                    **cols)
+
+
 def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, send_work,
-                      recv_work, prep, watch: int, ring_recv: str = "in_order",
-                      n_src: int = 0):
+                      recv_work, prep, watch: int, ring_recv: str = "runs",
+                      n_src: int = 0, send_copy=None):
     """Every process's program in the global key order (see the module docstring).
 
     Returns each process's finishing time and, for process `watch`, per round: (first start,
@@ -468,10 +518,34 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, send
     staged_s = (msgs.strided_send + msgs.contig_send).tolist()
     staged_r = (msgs.strided_recv + msgs.contig_recv).tolist()
     sw, rw = send_work.tolist(), recv_work.tolist()
+    over_link = cluster.pack_over_link
+    sc = send_copy.tolist() if over_link else None
     recv_seq = [-1] * len(rnd)
     arrived = [0.0] * world                       # ring buckets taken as ready: last unpacked
     rings_in_order = ring_recv == "in_order"
+    in_runs = ring_recv == "runs"
+    deferred = [[] for _ in range(world)]         # runs: (arrival, unpack s) not yet taken
     rows: dict = {}
+
+    def take_ready(p):
+        # runs: take the ring buckets that arrived by the process's clock
+        d = deferred[p]
+        if d:
+            keep = []
+            for a, w in d:
+                if a <= cpu[p]:
+                    cpu[p] += w
+                else:
+                    keep.append((a, w))
+            deferred[p] = keep
+
+    def end_run(p):
+        # runs: the run ends once every ring bucket it takes has arrived and is unpacked
+        d = deferred[p]
+        if d:
+            for a, w in sorted(d):
+                cpu[p] = max(cpu[p], a) + w
+            d.clear()
 
     def note(i, start, end, kind, own_work, link_s):
         row = rows.get(rnd[i])
@@ -519,6 +593,7 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, send
                         e[3] += rw[m]
             start = {}
             for p, (buf, cnt, pack, _) in parts.items():
+                end_run(p)
                 while inflight[p] and (used_buf[p] + buf > W or used_msg[p] + cnt > max_msgs):
                     pop(p)
                 cpu[p] += pack
@@ -564,12 +639,26 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, send
         if path[i] == PATH_CODE[DOMAIN]:
             # a ring: the sender packs into the receiver's slot over the link and waits for it;
             # the receiver unpacks once the slot is there
-            t0 = max(cpu[s] + sw[i], nv_s[s], nv_r[r])
-            t1 = t0 + nbytes[i] / nvl + ring_lat
+            if in_runs:
+                take_ready(s)
+            if over_link:               # the packing is the transfer
+                t0 = max(cpu[s] + sw[i] - sc[i], nv_s[s], nv_r[r])
+                t1 = t0 + max(nbytes[i] / nvl, sc[i]) + ring_lat
+            else:
+                t0 = max(cpu[s] + sw[i], nv_s[s], nv_r[r])
+                t1 = t0 + nbytes[i] / nvl + ring_lat
             nv_s[s] = nv_r[r] = cpu[s] = t1
             if s == watch:
                 note(i, t0, t1, 2, sw[i], t1 - t0)
-            if rings_in_order:
+            if in_runs:
+                # the executor's runs of ring steps: taken now if there, else once the
+                # process's other ready work of the run is done (see `end_run`)
+                take_ready(r)
+                if t1 <= cpu[r]:
+                    cpu[r] += rw[i]
+                else:
+                    deferred[r].append((t1, rw[i]))
+            elif rings_in_order:
                 cpu[r] = max(cpu[r], t1) + rw[i]
             else:                                   # what-if: taken whenever it is there
                 cpu[r] += rw[i]
@@ -577,10 +666,13 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, send
             if r == watch:
                 note(i, t0, max(cpu[r], t1 + rw[i]), 3, rw[i], t1 - t0)
         else:                                       # a local copy
+            end_run(s)
+            end_run(r)
             cpu[s] += sw[i]
             cpu[r] = max(cpu[r], cpu[s]) + rw[i]
         i += 1
     for p in range(world):
+        end_run(p)
         while inflight[p]:
             pop(p)
     return np.maximum(np.array(cpu), np.array(arrived)), rows

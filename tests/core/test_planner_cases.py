@@ -8,7 +8,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from ray_reshard.core.plan import parent_key
+from ray_reshard.core.plan import build_share, is_forward_key, parent_key, run_order
 import torch
 
 from ray_reshard.core import (Box, Endpoint, Layout, Mesh, Replicate, Shard, TensorSpec, plan,
@@ -335,6 +335,77 @@ def test_schedule_orders_forwards_after_their_network_bucket():
     assert len(pos) == len(sched)
     mine = sched.for_endpoints([Endpoint("dst", 0)])
     assert mine and all(t.dst == 0 or t.src == Endpoint("dst", 0) for t in mine)
+
+
+def _replicas_plan():
+    """TP4 -> TP2 x DP4 into one 8-rank domain: each piece crosses once and is forwarded to the
+    three other replicas; every forwarder takes network buckets from two sources per round."""
+    dst = Layout(Mesh(np.arange(8).reshape(4, 2).tolist()), [Replicate(), Shard(0)])
+    specs = {f"w{i}": TensorSpec((64, 16), F32, Layout.sharded([0, 1, 2, 3], 0), dst)
+             for i in range(6)}
+    specs["b"] = TensorSpec((8,), F32, Layout.replicated([0, 1, 2, 3]), Layout.replicated(range(8)))
+    return plan(specs, src_domains=list("abcd"), dst_domains=["D"] * 8)
+
+
+def test_forwards_merge_per_forwarder_target_and_round():
+    """What a forwarder passes to one target out of a round travels in as few buckets as the
+    bucket size allows, after every network bucket it draws from (up to its parent key), in
+    the next round, at rotation (ring rotation + chunk) mod max(n_src, n_dst)."""
+    p = _replicas_plan()
+    bucket = 4096
+    sched = p.schedule(bucket)
+    net_key = {}                      # (forwarder, tensor, box) -> key of the bucket bringing it
+    for t in sched.transfers:
+        if t.path == NETWORK:
+            for it in t.items:
+                net_key[(t.dst, it.tensor, it.box)] = t.key
+    per_pair = defaultdict(list)
+    for t in sched.transfers:
+        if t.src.side != "dst":
+            continue
+        assert is_forward_key(t.key)
+        f, parent = t.src.rank, parent_key(t)
+        assert parent in {u.key for u in sched.transfers if u.path == NETWORK and u.dst == f}
+        for it in t.items:
+            brought = net_key[(f, it.tensor, it.box)]
+            assert brought <= parent and brought[0] == t.key[0] - 1
+        j, chunk = (t.dst - f) % 8, t.key[8]
+        assert t.key[2] == (j + chunk) % 8
+        per_pair[(f, t.dst, t.key[0])].append(t)
+    assert per_pair
+    merged = 0
+    for (f, target, rnd), ts in per_pair.items():
+        total = sum(t.nbytes for t in ts)
+        assert all(t.nbytes <= bucket for t in ts)
+        # greedy packing of pieces no larger than a bucket: at most twice the minimum
+        assert len(ts) <= max(1, 2 * math.ceil(total / bucket))
+        sources = {net_key[(f, it.tensor, it.box)][3] for t in ts for it in t.items}
+        merged += len(sources) > len(ts)
+    assert merged, "some forward buckets should hold pieces of several network buckets"
+    # every process's share agrees with the schedule
+    for r in range(8):
+        eps = [Endpoint("dst", r)]
+        assert build_share(p, eps, bucket) == sched.for_endpoints(eps)
+
+
+@pytest.mark.parametrize("span", [1, 2, 3, 4])
+def test_run_order_keeps_groups_whole_and_forwards_after_their_parents(span):
+    p = _replicas_plan()
+    sched = p.schedule(512)
+    for r in range(8):
+        steps = sorted(sched.for_endpoints([Endpoint("dst", r)]), key=lambda t: run_order(t.key, span))
+        pos = {t.key: i for i, t in enumerate(steps)}
+        seen_groups, last = set(), None
+        for i, t in enumerate(steps):
+            if t.path == NETWORK:
+                g = (t.key[0], t.key[2] // span)
+                assert g == last or g not in seen_groups, "a network group cut in two"
+                seen_groups.add(g)
+                last = g
+            else:
+                last = None
+            if t.src == Endpoint("dst", r):       # forwards sent here follow their parent
+                assert pos[parent_key(t)] < i
 
 
 def test_plan_pickles_without_its_schedule_cache():
