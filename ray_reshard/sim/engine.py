@@ -291,13 +291,18 @@ def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
         if parent >= 0:
             # The pieces a target takes from a network pair fill about their share of that
             # pair's buckets (all of them where it takes everything the pair brings): spread
-            # them over that many of the pair's rounds, evenly, staggered by target.
+            # them over that many of the pair's rounds, staggered by target, in proportion to
+            # the bytes the pair brings in each.
             nbk, pair_bytes = net_of.get((parent, snd), (1, v[0]))
             m = max(1, min(nbk, -(-v[0] * nbk // max(1, pair_bytes))))
-            for i in range(m):
-                e = fwd[(snd, rcv, code, (parent + rcv + i * nbk // m) % nbk)]
+            ks = [(parent + rcv + i * nbk // m) % nbk for i in range(m)]
+            sizes = [bucket_bytes if k < nbk - 1 else pair_bytes - (nbk - 1) * bucket_bytes
+                     for k in ks]
+            whole = sum(sizes) or 1
+            for k, size in zip(ks, sizes):
+                e = fwd[(snd, rcv, code, k)]
                 for j in range(6):
-                    e[j] += v[j] / m
+                    e[j] += v[j] * size / whole
             continue
         n = net_of[(snd, rcv)][0]
         tot, items = v[0], v[1]
