@@ -101,10 +101,10 @@ PRESETS = {
     # the network, shared-memory rings as the domain links (their rate without the copies,
     # which are CPU work). Figures measured by
     # `python -m ray_reshard.bench.sim_calibrate` (see README); rerun it to refresh them.
-    "local": Cluster("local", 4, 15.18 * GB, 1.64 * GB, latency_s=185e-6, ring_latency_s=222e-6,
-                     item_s=1.1e-6, tensor_s=0.8e-6, message_s=20.7e-6, fabric_Bps=3.46 * GB,
-                     domain_fabric_Bps=15.18 * GB, refit_overhead_s=8.6e-3, copy_Bps=7.09 * GB,
-                     contig_copy_Bps=11.60 * GB, cpu_cores=2, broadcast="flat",
+    "local": Cluster("local", 4, 11.87 * GB, 1.81 * GB, latency_s=187e-6, ring_latency_s=102e-6,
+                     item_s=0.6e-6, tensor_s=2.3e-6, message_s=20.3e-6, fabric_Bps=3.50 * GB,
+                     domain_fabric_Bps=11.87 * GB, refit_overhead_s=7.4e-3, copy_Bps=7.71 * GB,
+                     contig_copy_Bps=16.01 * GB, cpu_cores=2, broadcast="flat",
                      per_item_min_bytes=64 << 10),
 }
 
