@@ -283,10 +283,10 @@ def build_schedule(plan: Plan, bucket_bytes: int) -> Schedule:
     """Pack moves into buckets per (sender, receiver, path) and order them.
 
     Forwarded pieces (a destination passing network pieces on inside its domain) are packed
-    per (forwarder, target, path, round): what a forwarder passes to one target out of all its
-    network buckets of round k, in their key order, into buckets that sort after the network
-    buckets of round k+1 (`forward_key`), so the domain exchange of round k overlaps the
-    network transfers of round k+1 and costs one ring transfer per target and round, not one
+    per (forwarder, target, path, segment of a round's rotations): what a forwarder passes to
+    one target out of its network buckets of that segment, in their key order, into buckets
+    that sort into the next segment (`forward_key`), so the domain exchange overlaps the next
+    segment's network transfers and costs one ring transfer per target and segment, not one
     per network bucket and target.
 
     Linear in the number of moves (plus sorting the transfers).
@@ -304,7 +304,7 @@ def build_schedule(plan: Plan, bucket_bytes: int) -> Schedule:
     pair_items: dict[tuple, list[tuple[Item, int, Box]]] = defaultdict(list)
     # (forwarder dst rank, tensor, box of the network move) -> [(target dst rank, path)]
     forwards: dict[tuple, list[tuple[int, str]]] = defaultdict(list)
-    # (forwarder, target, path, round) -> {network bucket key: its entries forwarded there}
+    # (forwarder, target, path, round, segment) -> {network bucket key: its entries there}
     fwd_into: dict[tuple, dict] = defaultdict(lambda: defaultdict(list))
     transfers: list[Transfer] = []
     with gc_paused():
@@ -331,13 +331,14 @@ def build_schedule(plan: Plan, bucket_bytes: int) -> Schedule:
                 transfers.append(_transfer(isz, key, src, dst, path, bucket))
                 if path != NETWORK:
                     continue
+                seg = forward_segment(rot, n_src, topo.n_dst)
                 for entry in bucket:
                     item = entry[0]
                     for target, fpath in forwards.get((dst, item.tensor, entry[2]), ()):
-                        fwd_into[(dst, target, fpath, k)][key].append(entry)
-        for (f, target, fpath, k), parts in fwd_into.items():
+                        fwd_into[(dst, target, fpath, k, seg)][key].append(entry)
+        for (f, target, fpath, k, seg), parts in fwd_into.items():
             for c, (parent, fentries) in enumerate(_forward_buckets(parts, bucket_bytes, 1)):
-                fkey = forward_key(k, f, target, fpath, c, parent, n_src, topo.n_dst)
+                fkey = forward_key(k, seg, f, target, fpath, c, parent, n_src, topo.n_dst)
                 transfers.append(_transfer(isz, fkey, Endpoint("dst", f), target, fpath,
                                            fentries))
         return Schedule(transfers, bucket_bytes)
@@ -479,6 +480,7 @@ def _share(plan: Plan, mine: frozenset, bucket_bytes: int) -> list[Transfer]:
                 emit(key, src, dst, path, bucket)
             if path != NETWORK or not any_forwards:
                 continue
+            seg = forward_segment(rot, n_src, plan.topology.n_dst)
             for entry in bucket:
                 fw = forwards[entry[1]]
                 fs = None if fw is None else fw.get(dst)
@@ -487,10 +489,10 @@ def _share(plan: Plan, mine: frozenset, bucket_bytes: int) -> list[Transfer]:
                 parent = entry[3]
                 for box, (target, fpath) in fs:
                     if box == parent and (forwarder_mine or target in my_dst):
-                        fwd_into[(dst, target, fpath, k)][key].append(entry)
-    for (f, target, fpath, k), parts in fwd_into.items():
+                        fwd_into[(dst, target, fpath, k, seg)][key].append(entry)
+    for (f, target, fpath, k, seg), parts in fwd_into.items():
         for c, (parent, fentries) in enumerate(_forward_buckets(parts, bucket_bytes, 0)):
-            emit(forward_key(k, f, target, fpath, c, parent, n_src, plan.topology.n_dst),
+            emit(forward_key(k, seg, f, target, fpath, c, parent, n_src, plan.topology.n_dst),
                  Endpoint("dst", f), target, fpath, fentries)
     transfers.sort(key=lambda t: t.key)
     return transfers
@@ -552,26 +554,48 @@ def rotation(src: int, dst: int, n_src: int, n_dst: int) -> int:
 # A forwarded bucket's key holds this where a network bucket's holds its sender: it sorts after
 # the network buckets of its rotation.
 FORWARDED = 1 << 40
+# Forwards are merged per segment of a round's rotations and sent during the next segment: at
+# most this many segments per round, each at least SEGMENT_ROTATIONS rotations wide (narrower
+# segments put a ring run, which waits for its peers, between too few network buckets).
+FORWARD_SEGMENTS = 4
+SEGMENT_ROTATIONS = 16
 
 
-def forward_key(round_: int, forwarder: int, target: int, path: str, chunk: int,
+def forward_segment(rotation_: int, n_src: int, n_dst: int) -> int:
+    """The segment of a round that a network bucket at `rotation_` falls in."""
+    n_rot = max(n_src, n_dst)
+    return rotation_ * forward_segments(n_src, n_dst) // n_rot
+
+
+def forward_segments(n_src: int, n_dst: int) -> int:
+    """How many segments each round's rotations are cut into (see `forward_segment`)."""
+    return max(1, min(FORWARD_SEGMENTS, max(n_src, n_dst) // SEGMENT_ROTATIONS))
+
+
+def forward_key(round_: int, segment: int, forwarder: int, target: int, path: str, chunk: int,
                 parent: tuple, n_src: int, n_dst: int) -> tuple:
     """Order key of forwarded bucket `chunk` from `forwarder` to `target`: what the forwarder
-    passes on to that target out of its round-`round_` network buckets, merged and cut into
-    buckets. `parent` is the key of the last network bucket whose data it holds (a process's
-    network buckets complete in key order, so the others have completed by then).
+    passes on to that target out of its network buckets of one segment of round `round_`,
+    merged and cut into buckets. `parent` is the key of the last network bucket whose data it
+    holds (a process's network buckets complete in key order, so the others have completed by
+    then).
 
-    The chunks go into round `round_ + 1`, spread over its rotations: chunk c of the pair at
-    ring rotation j = (target - forwarder) mod n_dst sorts right after the network buckets of
-    rotation (j + c) mod max(n_src, n_dst). So a forwarder passes round k on a little after
-    each network step of round k + 1, while those receives are in flight, instead of all at
-    once between two rounds. Within a rotation, forwards go by ring rotation (each forwarder
-    sends to one target and each target takes from one forwarder per ring rotation), then by
-    descending forwarder: every forwarder but the few lowest sends before it receives, so
-    the domain's forwards do not wait on each other in a chain."""
+    The chunks go into the next segment (of this round, or the first of the next), spread over
+    its rotations: chunk c of the pair at ring rotation j = (target - forwarder) mod n_dst sorts
+    right after the network buckets of the segment's rotation (j + c) mod its width. So a
+    forwarder passes a segment on while the next one's network receives are in flight, instead
+    of all at once between two rounds, and what is left after the last network bucket is one
+    segment's forwarding. Within a rotation, forwards go by ring rotation (each forwarder sends
+    to one target and each target takes from one forwarder per ring rotation), then by
+    descending forwarder: every forwarder but the few lowest sends before it receives, so the
+    domain's forwards do not wait on each other in a chain."""
+    n_rot = max(n_src, n_dst)
+    segments = forward_segments(n_src, n_dst)
+    nxt_round, nxt = divmod(round_ * segments + segment + 1, segments)
+    lo, hi = nxt * n_rot // segments, (nxt + 1) * n_rot // segments
     j = (target - forwarder) % n_dst
-    return (round_ + 1, _PATH_ORDER[NETWORK], (j + chunk) % max(n_src, n_dst), FORWARDED, j,
-            -forwarder, target, _PATH_ORDER[path], chunk, parent[2], parent[3])
+    return (nxt_round, _PATH_ORDER[NETWORK], lo + (j + chunk) % (hi - lo), FORWARDED, j,
+            -forwarder, target, _PATH_ORDER[path], chunk, parent[0], parent[2], parent[3])
 
 
 def is_forward_key(key: tuple) -> bool:
@@ -581,7 +605,7 @@ def is_forward_key(key: tuple) -> bool:
 def parent_key(forward: "Transfer") -> tuple:
     """Key of the last network bucket whose data a forwarded bucket passes on."""
     k = forward.key
-    return (k[0] - 1, _PATH_ORDER[NETWORK], k[9], k[10], -k[5], 0, -1)
+    return (k[9], _PATH_ORDER[NETWORK], k[10], k[11], -k[5], 0, -1)
 
 
 def run_order(key: tuple, span: int) -> tuple:
@@ -594,7 +618,7 @@ def run_order(key: tuple, span: int) -> tuple:
 
 
 def _forward_buckets(parts: dict, bucket_bytes: int, size_at: int) -> list[tuple]:
-    """One (forwarder, target, path, round)'s forwarded entries, `parts` {network bucket key:
+    """One (forwarder, target, path, round, segment)'s forwarded entries, `parts` {network key:
     entries}, in network key order cut into buckets of at most `bucket_bytes`:
     [(key of the last network bucket drawn from, entries)]."""
     out, cur, cur_bytes, last = [], [], 0, None

@@ -23,9 +23,9 @@ forwards pass on have completed: each peer's buckets in program order (a ring is
 first out), but whichever peer's ring is ready first (a free slot to send into, a published
 one to take), and only when none is, the earliest step left, waiting for it. So a destination
 does not wait for one forwarder while another's bucket sits ready. What a forwarder passes to
-one target out of a round is merged into few buckets, sent only once the network buckets that
-brought it in have completed; they sort into the next round, spread over its rotations
-(`plan.forward_key`), so the next round's network receives are in flight meanwhile.
+one target out of a segment of a round's rotations is merged into few buckets, sent only once
+the network buckets that brought it in have completed; they sort into the next segment, spread
+over its rotations (`plan.forward_key`), so its network receives are in flight meanwhile.
 
 Strategies (`reshard`, `gather_broadcast`) are objects in `strategies.py`; the reshard strategy
 runs its programs with `run_program` here.

@@ -17,8 +17,8 @@ GB = 1e9
 # tensor per process (view lookups before the rounds), measured on the development machine by
 # `python -m ray_reshard.bench.sim_calibrate` (2-core CPU box; host-side Python costs, which a
 # GPU host pays too, on faster cores).
-MEASURED_ITEM_S = 0.9e-6
-MEASURED_TENSOR_S = 3.5e-6
+MEASURED_ITEM_S = 0.6e-6
+MEASURED_TENSOR_S = 2.3e-6
 # The executor's CPU time per item at real-model scale: the busiest DeepSeek-V3 ranks' compiled
 # programs (about 50k items each) replayed by `python -m ray_reshard bench-replay` (2.3 us per
 # item on the busiest destination, 3.3 us on the busiest source, copying the scaled-down bytes

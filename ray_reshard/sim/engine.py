@@ -25,10 +25,10 @@ of its last network group, and its network groups in flight:
   reaches it, else after the run's other ready work, and the run ends once all have arrived and
   are unpacked. `"in_order"` takes each strictly when reached, in key order; the what-if
   `"as_ready"` whenever it is there, without holding up the rest of the program;
-* forwarded buckets (what a forwarder passes to one target out of a round's network buckets,
-  merged) sort into the next round, spread over its rotations: the forwarder first completes
-  its groups up to the last network bucket they draw from, so the next round's receives are in
-  flight while it forwards;
+* forwarded buckets (what a forwarder passes to one target out of the network buckets of a
+  segment of a round's rotations, merged) sort into the next segment, spread over its
+  rotations: the forwarder first completes its groups up to the last network bucket they draw
+  from, so the next segment's receives are in flight while it forwards;
 * CPU work per bucket end: `item_s` per item (and `message_s` per message where items travel
   as their own messages) plus its copies: bytes of strided regions at
   `copy_Bps`, of contiguous regions at `contig_copy_Bps`; network items in place (CPU wire
@@ -47,8 +47,9 @@ copies from the plan's moves and cuts them into buckets of `bucket_bytes` the wa
 does, in the same key order, which avoids building the schedule (millions of items at
 DeepSeek-V3 scale). A forwarded (source, forwarder, target) total fills its share of the
 network pair's rounds (all of them where the target takes everything the pair brings); per
-(forwarder, target, round) the totals are merged and cut into buckets placed as
-`plan.forward_key` places them, and a forward waits for all of its forwarder's older rounds.
+(forwarder, target, segment) the totals are merged and cut into buckets placed as
+`plan.forward_key` places them, and a forward waits for all of its forwarder's groups of the
+earlier segments.
 
 The bound is what no schedule can beat on this plan: the busiest NIC's bytes over its
 bandwidth, the same for NVLink, and the fabrics' caps. `balanced_bound_s` is the network lower
@@ -68,11 +69,12 @@ from typing import Optional
 import numpy as np
 
 from ..core.plan import (DEFAULT_BUCKET_BYTES, FORWARDED, MAX_WINDOW, Plan, default_window,
-                         parent_key, rotation)
+                         forward_key, forward_segment, forward_segments, parent_key, rotation)
 from ..core.planner import DOMAIN, LOCAL, NETWORK
 from .cluster import Cluster
 
 PATH_CODE = {NETWORK: 0, DOMAIN: 1, LOCAL: 2}   # also the key's order of the paths
+PATHS = {c: p for p, c in PATH_CODE.items()}
 FORWARD_ORDER = 3                                # a forwarded bucket's `order` below
 # How a process takes its ring (domain) buckets: "runs", as the executor does (within a run of
 # consecutive ring steps, whichever is ready first); "in_order", strictly in key order;
@@ -234,8 +236,8 @@ def messages_exact(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Mess
 def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Messages:
     """Per (sender, receiver, path) byte and item totals cut into buckets of bucket_bytes, in
     the schedule's key order: a pair's k-th bucket in round k; what a forwarder passes on to one
-    target out of round k (each network pair's forwarded bytes spread evenly over that pair's
-    buckets) merged and cut into buckets placed as `plan.forward_key` places them."""
+    target out of a segment of round k (each network pair's forwarded bytes placed in that
+    pair's rounds) merged and cut into buckets placed as `plan.forward_key` places them."""
     n_src, world = _gpu(plan)
     n_dst = world - n_src
     uses: dict[int, list] = {}
@@ -279,7 +281,6 @@ def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
             for j in range(6):
                 e[j] += count * v[j]
             e[6] = min(e[6], v[6])
-    n_rot = max(n_src, n_dst)
     rows = []       # (key, sender, receiver, path, bytes, items, 4 copied counts, per item)
     net_of = {}
     for (snd, rcv, code, parent), v in pairs.items():
@@ -299,8 +300,9 @@ def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
             sizes = [bucket_bytes if k < nbk - 1 else pair_bytes - (nbk - 1) * bucket_bytes
                      for k in ks]
             whole = sum(sizes) or 1
+            seg = forward_segment(rotation(parent, snd - n_src, n_src, n_dst), n_src, n_dst)
             for k, size in zip(ks, sizes):
-                e = fwd[(snd, rcv, code, k)]
+                e = fwd[(snd, rcv, code, k, seg)]
                 for j in range(6):
                     e[j] += v[j] * size / whole
             continue
@@ -314,16 +316,15 @@ def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
             rows.append(((k, code, rot, snd, rcv - n_src, 0, -1), snd, rcv, code, nb, it,
                          *(int(v[j] * share) for j in (2, 3, 4, 5)),
                          code == 0 and v[6] >= IN_PLACE_MIN_BYTES))
-    for (f, t, code, k), v in fwd.items():
+    for (f, t, code, k, seg), v in fwd.items():
         tot = int(round(v[0]))
         n = max(1, -(-tot // bucket_bytes))
-        ring_rot = (t - f) % max(n_dst, 1)
         for c in range(n):
             nb = bucket_bytes if c < n - 1 else tot - (n - 1) * bucket_bytes
             share = nb / max(1, tot)
             it = max(1, int(round(v[1] / n)))
-            key = (k + 1, 0, (ring_rot + c) % n_rot, FORWARDED, ring_rot, -(f - n_src), t - n_src,
-                   code, c)
+            key = forward_key(k, seg, f - n_src, t - n_src, PATHS[code], c, (k, 0, 0, 0), n_src,
+                              n_dst)
             rows.append((key, f, t, code, nb, it, *(int(v[j] * share) for j in (2, 3, 4, 5)),
                          False))
     rows.sort(key=lambda r: r[0])
@@ -513,12 +514,15 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, send
     cpu = [float(x) for x in prep]               # each process's program clock
     nccl = [0.0] * world                          # when its previous network group ends
     nv_s, nv_r = [0.0] * world, [0.0] * world
-    inflight = [deque() for _ in range(world)]    # (end, buffers, messages, unpack s, round, seq)
+    inflight = [deque() for _ in range(world)]    # (end, buffers, messages, unpack s, (round, slot), seq)
     used_buf, used_msg = [0] * world, [0] * world
     seq_next, seq_done = [0] * world, [-1] * world
     rnd, order, path = msgs.round.tolist(), msgs.order.tolist(), msgs.path.tolist()
     snd, rcv, nbytes = msgs.sender.tolist(), msgs.receiver.tolist(), msgs.nbytes.tolist()
     items, parent = msgs.items.tolist(), msgs.parent.tolist()
+    slot = msgs.slot.tolist() if msgs.slot is not None else [0] * len(rnd)
+    n_rot = max(n_src, world - n_src)
+    segments = forward_segments(n_src, world - n_src)
     per_item = [False] * len(rnd) if packed_only else msgs.per_item.tolist()
     staged_s = (msgs.strided_send + msgs.contig_send).tolist()
     staged_r = (msgs.strided_recv + msgs.contig_recv).tolist()
@@ -623,7 +627,7 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, send
                     note(m, t0, t1 + lat, 1, rw[m], t1 - t0)
             for p, (buf, cnt, _, unpack) in parts.items():
                 ge = nccl[p] = end[p] + lat
-                inflight[p].append((ge, buf, cnt, unpack, rnd[i], seq_next[p]))
+                inflight[p].append((ge, buf, cnt, unpack, (rnd[i], slot[i]), seq_next[p]))
                 used_buf[p] += buf
                 used_msg[p] += cnt
                 seq_next[p] += 1
@@ -638,8 +642,9 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, send
             if q >= 0:
                 while inflight[s] and seq_done[s] < recv_seq[q]:
                     pop(s)
-            else:                                   # aggregate: the previous round's buckets
-                while inflight[s] and inflight[s][0][4] < rnd[i]:
+            else:                   # aggregate: the network groups of the earlier segments
+                before = (rnd[i], slot[i] * segments // n_rot * n_rot // segments)
+                while inflight[s] and inflight[s][0][4] < before:
                     pop(s)
         if path[i] == PATH_CODE[DOMAIN]:
             # a ring: the sender packs into the receiver's slot over the link and waits for it;

@@ -8,7 +8,8 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from ray_reshard.core.plan import build_share, is_forward_key, parent_key, run_order
+from ray_reshard.core.plan import (build_share, forward_segment, forward_segments, is_forward_key,
+                                   parent_key, run_order)
 import torch
 
 from ray_reshard.core import (Box, Endpoint, Layout, Mesh, Replicate, Shard, TensorSpec, plan,
@@ -328,30 +329,36 @@ def test_schedule_orders_forwards_after_their_network_bucket():
         if t.src.side == "dst":
             net = [u for u in sched.transfers[:i] if u.path == NETWORK and u.dst == t.src.rank]
             assert net, t
-            # After the network bucket that delivered it, one round behind the network
+            # After the network bucket that delivered it, in a later segment of its rotations
             parent = parent_key(t)
             assert any(u.key == parent for u in net)
-            assert t.key[0] == parent[0] + 1
+            assert t.key > parent
     assert len(pos) == len(sched)
     mine = sched.for_endpoints([Endpoint("dst", 0)])
     assert mine and all(t.dst == 0 or t.src == Endpoint("dst", 0) for t in mine)
 
 
-def _replicas_plan():
-    """TP4 -> TP2 x DP4 into one 8-rank domain: each piece crosses once and is forwarded to the
-    three other replicas; every forwarder takes network buckets from two sources per round."""
-    dst = Layout(Mesh(np.arange(8).reshape(4, 2).tolist()), [Replicate(), Shard(0)])
+def _replicas_plan(n_dst=8):
+    """TP4 -> TP2 x DP(n_dst / 2) into one domain: each piece crosses once and is forwarded to
+    the other replicas; every forwarder takes network buckets from two sources per round."""
+    dst = Layout(Mesh(np.arange(n_dst).reshape(n_dst // 2, 2).tolist()), [Replicate(), Shard(0)])
     specs = {f"w{i}": TensorSpec((64, 16), F32, Layout.sharded([0, 1, 2, 3], 0), dst)
              for i in range(6)}
-    specs["b"] = TensorSpec((8,), F32, Layout.replicated([0, 1, 2, 3]), Layout.replicated(range(8)))
-    return plan(specs, src_domains=list("abcd"), dst_domains=["D"] * 8)
+    specs["b"] = TensorSpec((8,), F32, Layout.replicated([0, 1, 2, 3]),
+                            Layout.replicated(range(n_dst)))
+    return plan(specs, src_domains=list("abcd"), dst_domains=["D"] * n_dst)
 
 
-def test_forwards_merge_per_forwarder_target_and_round():
-    """What a forwarder passes to one target out of a round travels in as few buckets as the
-    bucket size allows, after every network bucket it draws from (up to its parent key), in
-    the next round, at rotation (ring rotation + chunk) mod max(n_src, n_dst)."""
-    p = _replicas_plan()
+@pytest.mark.parametrize("n_dst, expect_segments", [(8, 1), (64, 4)])
+def test_forwards_merge_per_forwarder_target_and_segment(n_dst, expect_segments):
+    """What a forwarder passes to one target out of a segment of a round's rotations travels in
+    as few buckets as the bucket size allows, after every network bucket it draws from (up to
+    its parent key), in the next segment, at its rotation (ring rotation + chunk) mod its width."""
+    p = _replicas_plan(n_dst)
+    n_src = 4
+    segments = forward_segments(n_src, n_dst)
+    assert segments == expect_segments
+    width = n_dst // segments
     bucket = 4096
     sched = p.schedule(bucket)
     net_key = {}                      # (forwarder, tensor, box) -> key of the bucket bringing it
@@ -366,15 +373,20 @@ def test_forwards_merge_per_forwarder_target_and_round():
         assert is_forward_key(t.key)
         f, parent = t.src.rank, parent_key(t)
         assert parent in {u.key for u in sched.transfers if u.path == NETWORK and u.dst == f}
+        # the next segment after the parent's
+        seg = forward_segment(parent[2], n_src, n_dst)
+        assert (t.key[0], forward_segment(t.key[2], n_src, n_dst)) == divmod(
+            parent[0] * segments + seg + 1, segments)
         for it in t.items:
             brought = net_key[(f, it.tensor, it.box)]
-            assert brought <= parent and brought[0] == t.key[0] - 1
-        j, chunk = (t.dst - f) % 8, t.key[8]
-        assert t.key[2] == (j + chunk) % 8
-        per_pair[(f, t.dst, t.key[0])].append(t)
+            assert brought <= parent
+            assert (brought[0], forward_segment(brought[2], n_src, n_dst)) == (parent[0], seg)
+        j, chunk = (t.dst - f) % n_dst, t.key[8]
+        assert t.key[2] % width == (j + chunk) % width
+        per_pair[(f, t.dst, parent[0], seg)].append(t)
     assert per_pair
     merged = 0
-    for (f, target, rnd), ts in per_pair.items():
+    for (f, target, rnd, seg), ts in per_pair.items():
         total = sum(t.nbytes for t in ts)
         assert all(t.nbytes <= bucket for t in ts)
         # greedy packing of pieces no larger than a bucket: at most twice the minimum
@@ -383,16 +395,17 @@ def test_forwards_merge_per_forwarder_target_and_round():
         merged += len(sources) > len(ts)
     assert merged, "some forward buckets should hold pieces of several network buckets"
     # every process's share agrees with the schedule
-    for r in range(8):
+    for r in range(0, n_dst, max(1, n_dst // 8)):
         eps = [Endpoint("dst", r)]
         assert build_share(p, eps, bucket) == sched.for_endpoints(eps)
 
 
+@pytest.mark.parametrize("n_dst", [8, 64])
 @pytest.mark.parametrize("span", [1, 2, 3, 4])
-def test_run_order_keeps_groups_whole_and_forwards_after_their_parents(span):
-    p = _replicas_plan()
+def test_run_order_keeps_groups_whole_and_forwards_after_their_parents(span, n_dst):
+    p = _replicas_plan(n_dst)
     sched = p.schedule(512)
-    for r in range(8):
+    for r in range(0, n_dst, n_dst // 8):
         steps = sorted(sched.for_endpoints([Endpoint("dst", r)]), key=lambda t: run_order(t.key, span))
         pos = {t.key: i for i, t in enumerate(steps)}
         seen_groups, last = set(), None
