@@ -1,11 +1,13 @@
 """ray-reshard: move model weights between differently sharded sets of Ray actors.
 
-The core (`ray_reshard.core`: layouts, planner, statistics) imports no Ray; the runtime
-(`ReshardGroup`) and the model recipes (`ray_reshard.models`) load on first use.
+Layouts (`ray_reshard.layout`), planning (`ray_reshard.planning`) and execution in one
+process (`ray_reshard.execution`) import no Ray; the runtime (`ReshardGroup`) and the model
+recipes (`ray_reshard.models`) load on first use.
 """
-from .core import (BlockFP8, Box, DEFAULT_BUCKET_BYTES, Endpoint, Layout, LayoutUnion, Mesh,
-                   Move, Plan, PlanError, PlanStats, Replicate, Shard, Slot, TensorSpec, Topology,
-                   assemble, combine_destinations, plan, replica_specs, shard_tensor)
+from .layout import (BlockFP8, Box, Layout, LayoutUnion, Mesh, Replicate, Shard, Slot, TensorSpec,
+                     assemble, combine_destinations, replica_specs, shard_tensor)
+from .planning import (DEFAULT_BUCKET_BYTES, Endpoint, Move, Plan, PlanError, PlanStats, Topology,
+                       plan)
 from .errors import RefitError, TransportError, TransportTimeout
 
 __version__ = "0.1.0"

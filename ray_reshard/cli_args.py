@@ -218,7 +218,7 @@ def recipe_specs(config: dict, train, infer, dtype, hf_experts: str = "auto") ->
     from .models import Recipe
 
     if isinstance(infer, EngineGroups):
-        from .core.destinations import combine_destinations
+        from .layout.destinations import combine_destinations
 
         return combine_destinations(
             [Recipe(config, train, g, hf_experts=hf_experts).specs(dtype) for g in infer.groups],
@@ -262,8 +262,8 @@ class Refit:
     dst_domains: list
 
     def plan(self):
-        from .core.plan import plan
-        from .core.plan import gc_paused
+        from .planning.plan import plan
+        from .planning.plan import gc_paused
 
         with gc_paused():
             return plan(self.specs, self.src_domains, self.dst_domains)

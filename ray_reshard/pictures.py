@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from .core.plan import Plan
-from .core.planner import DOMAIN, LOCAL, NETWORK
+from .planning.plan import Plan
+from .planning.planner import DOMAIN, LOCAL, NETWORK
 
 PATH_COLOURS = {NETWORK: "#d95f02", DOMAIN: "#1b9e77", LOCAL: "#7570b3"}
 

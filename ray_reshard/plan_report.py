@@ -13,8 +13,8 @@ import math
 from collections import defaultdict
 from typing import Any, Optional
 
-from .core.plan import DEFAULT_BUCKET_BYTES, Plan
-from .core.planner import NETWORK, PATHS
+from .planning.plan import DEFAULT_BUCKET_BYTES, Plan
+from .planning.planner import NETWORK, PATHS
 
 STAGING_WINDOW = 2          # buckets a rank stages at once (the executor's double buffering)
 

@@ -31,9 +31,9 @@ import torch
 
 import ray
 import ray_reshard as rr
-from ray_reshard.core.planner import Endpoint
-from ray_reshard.core.program import SEND, compile_program
-from ray_reshard.core.placement import Replicate, Shard
+from ray_reshard.planning.planner import Endpoint
+from ray_reshard.execution.program import SEND, compile_program
+from ray_reshard.layout.placement import Replicate, Shard
 
 STEPS = []
 # Every actor on the shared GPU asks for this much (Ray keeps 4 decimals: 1/6 six times is more

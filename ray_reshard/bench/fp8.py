@@ -26,13 +26,13 @@ import torch
 import ray_reshard as rr
 from ray_reshard.cli_args import (DEEPSEEK_V3, QWEN3_235B, even_out_stages, models_list_arg,
                                   positive_int)
-from ray_reshard.core.plan import Plan, gc_paused
-from ray_reshard.core.planner import Endpoint
-from ray_reshard.core.program import SEND, compile_program
-from ray_reshard.core.quant import reference_quantize, scale_view
+from ray_reshard.planning.plan import Plan, gc_paused
+from ray_reshard.planning.planner import Endpoint
+from ray_reshard.execution.program import SEND, compile_program
+from ray_reshard.layout.quant import reference_quantize, scale_view
 from ray_reshard.models import (VLLM, Megatron, Recipe, empty_storage, hf_parameter_shapes,
                                 local_state)
-from ray_reshard.simulate import simulate_refit
+from ray_reshard.execution.reference import simulate_refit
 
 FULL = {
     "qwen3-235b": ("Qwen3-235B-A22B", QWEN3_235B, Megatron(tp=4, pp=4, ep=16, etp=1, dp=4),

@@ -24,7 +24,7 @@ import torch
 def plan_rows(model: str) -> list[dict]:
     import ray_reshard as rr
     from ray_reshard.cli_args import MODELS, even_out_stages
-    from ray_reshard.core.plan import gc_paused
+    from ray_reshard.planning.plan import gc_paused
     from ray_reshard.models import Megatron, VLLM, Recipe
     from ray_reshard.sim import preset, simulate
 
@@ -65,7 +65,7 @@ def local_rows(mb: int, repeats: int) -> dict:
     import ray
 
     import ray_reshard as rr
-    from ray_reshard.core.placement import Replicate, Shard
+    from ray_reshard.layout.placement import Replicate, Shard
     from ray_reshard.testing import holders, local_cluster
 
     L = lambda ranks, *p, names=None: rr.Layout(rr.Mesh(ranks, names), p)

@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     import ray
 
     import ray_reshard as rr
-    from ray_reshard.core.placement import Replicate, Shard
+    from ray_reshard.layout.placement import Replicate, Shard
     from ray_reshard.testing import local_cluster
 
     L = lambda ranks, *p, names=None: rr.Layout(rr.Mesh(ranks, names), p)

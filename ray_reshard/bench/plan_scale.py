@@ -13,8 +13,9 @@ import time
 import torch
 
 from ray_reshard.cli_args import Parser, positive_int
-from ray_reshard.core import Layout, Mesh, Replicate, Shard, TensorSpec, plan
-from ray_reshard.core.planner import clear_caches, plan_tensor
+from ray_reshard.layout import Layout, Mesh, Replicate, Shard, TensorSpec
+from ray_reshard.planning import plan
+from ray_reshard.planning.planner import clear_caches, plan_tensor
 
 HIDDEN = 7168
 VOCAB = 129280

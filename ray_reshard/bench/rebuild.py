@@ -30,7 +30,7 @@ def main(repeats: int = 5, mb: float = 8.0, bucket_mb: float = 64.0) -> int:
     from ray_reshard.testing import local_cluster
 
     import ray_reshard as rr
-    from ray_reshard.core.placement import Replicate, Shard
+    from ray_reshard.layout.placement import Replicate, Shard
 
     with local_cluster(2):
         @ray.remote(num_cpus=0)

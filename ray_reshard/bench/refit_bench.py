@@ -16,7 +16,7 @@ from ray_reshard.cli_args import Parser, positive_int
 
 def _layouts():
     import ray_reshard as rr
-    from ray_reshard.core.placement import Replicate, Shard
+    from ray_reshard.layout.placement import Replicate, Shard
 
     L = lambda ranks, *p, names=None: rr.Layout(rr.Mesh(ranks, names), p)
     return {

@@ -33,9 +33,9 @@ from typing import Optional
 
 import torch
 
-from ..core.plan import Plan, build_share, gc_paused, plan as make_plan
-from ..core.planner import Endpoint
-from ..core.program import Part, Program, Step, compile_program, per_item_min_bytes
+from ..planning.plan import Plan, build_share, gc_paused, plan as make_plan
+from ..planning.planner import Endpoint
+from ..execution.program import Part, Program, Step, compile_program, per_item_min_bytes
 from ..models import VLLM, Megatron, Recipe
 from ..runtime.channel import LoopbackChannel
 from ..runtime.executor import Transports, default_window, run_program

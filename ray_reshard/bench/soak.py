@@ -104,7 +104,7 @@ def main(refits: int = 300, every: int = 25, mb: float = 4.0, bucket_kb: int = 2
     from ray_reshard.testing import local_cluster
 
     import ray_reshard as rr
-    from ray_reshard.core.placement import Replicate, Shard
+    from ray_reshard.layout.placement import Replicate, Shard
 
     with local_cluster(2):
         @ray.remote(num_cpus=0)

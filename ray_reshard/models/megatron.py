@@ -36,8 +36,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..core.placement import Replicate, Shard
-from ..core.spec import Slot
+from ..layout.placement import Replicate, Shard
+from ..layout.spec import Slot
 from .config import ModelDims
 from .pieces import Piece, is_mtp
 from .storage import EngineSide, StorageDecl, Stores, check_counts, check_pos, div

@@ -6,10 +6,10 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
-from ..core.plan import gc_paused
-from ..core.quant import FP8
-from ..core.slicing import assemble as _assemble
-from ..core.spec import TensorSpec
+from ..planning.plan import gc_paused
+from ..layout.quant import FP8
+from ..layout.slicing import assemble as _assemble
+from ..layout.spec import TensorSpec
 from .config import ModelDims, model_dims
 from .pieces import Piece, enumerate_pieces, hf_shapes, resolve_hf_experts
 from .storage import EngineSide, StorageDecl, make_side

@@ -18,10 +18,10 @@ from typing import Hashable, Optional, Sequence
 
 import numpy as np
 
-from ..core.layout import Layout
-from ..core.mesh import Mesh
-from ..core.placement import Replicate, Shard
-from ..core.spec import Slot, Slots
+from ..layout.layout import Layout
+from ..layout.mesh import Mesh
+from ..layout.placement import Replicate, Shard
+from ..layout.spec import Slot, Slots
 from .config import ModelDims
 from .pieces import Piece
 
@@ -84,7 +84,7 @@ class EngineSide:
         return True
 
     def quant_of(self, pc: Piece):
-        """The block-FP8 format this side keeps the piece in (a core.quant.BlockFP8), or None."""
+        """The block-FP8 format this side keeps the piece in (a layout.quant.BlockFP8), or None."""
         return None
 
     def _place(self, pc: Piece):

@@ -1,4 +1,4 @@
-"""Running one process's compiled program (see core/program.py) over its channels.
+"""Running one process's compiled program (see execution/program.py) over its channels.
 
 Channels. Every transport is reached through one small interface, `channel.Channel`
 (post / complete / abort); see `channel.py`.
@@ -39,9 +39,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..core.plan import default_window
-from ..core.planner import NETWORK
-from ..core.program import COPY, SEND, Program
+from ..planning.plan import default_window
+from ..planning.planner import NETWORK
+from ..execution.program import COPY, SEND, Program
 from .channel import Channel, NetChannel, RingChannel
 
 

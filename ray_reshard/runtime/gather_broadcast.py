@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..core.plan import Plan
-from ..core.planner import Endpoint
+from ..planning.plan import Plan
+from ..planning.planner import Endpoint
 from .transport import torch_pg
 
 

@@ -13,10 +13,10 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
-from ..core.plan import (DEFAULT_BUCKET_BYTES, DEFAULT_STAGING_BYTES, MAX_WINDOW, Plan, PlanStats,
-                        default_window, gc_paused, plan as make_plan)
-from ..core.planner import Endpoint
-from ..core.spec import TensorSpec
+from ..planning.plan import (DEFAULT_BUCKET_BYTES, DEFAULT_STAGING_BYTES, MAX_WINDOW, Plan,
+                             PlanStats, default_window, gc_paused, plan as make_plan)
+from ..planning.planner import Endpoint
+from ..layout.spec import TensorSpec
 from ..errors import GroupStateLost, RefitError, TransportError
 from . import membership, metrics, worker
 from .membership import Members, actor_key

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..core.plan import Plan
-from ..core.program import Program, compile_program, per_item_min_bytes
+from ..planning.plan import Plan
+from ..execution.program import Program, compile_program, per_item_min_bytes
 from . import executor
 
 

@@ -14,9 +14,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..core import quant
-from ..core.overlap import overlapping_pairs, overlaps_itself
-from ..core.plan import Plan
+from ..layout import quant
+from ..execution.overlap import overlapping_pairs, overlaps_itself
+from ..planning.plan import Plan
 from ..errors import GroupStateLost
 from . import strategies
 from .transport import torch_pg

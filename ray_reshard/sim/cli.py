@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args) -> dict:
     import torch
 
-    from ..core.plan import plan as make_plan
+    from ..planning.plan import plan as make_plan
     from ..cli_args import recipe_specs
 
     cl = preset(args.cluster).with_(

@@ -68,9 +68,9 @@ from typing import Optional
 
 import numpy as np
 
-from ..core.plan import (DEFAULT_BUCKET_BYTES, FORWARDED, MAX_WINDOW, Plan, default_window,
-                         forward_key, forward_segment, forward_segments, parent_key, rotation)
-from ..core.planner import DOMAIN, LOCAL, NETWORK
+from ..planning.plan import (DEFAULT_BUCKET_BYTES, FORWARDED, MAX_WINDOW, Plan, default_window,
+                             forward_key, forward_segment, forward_segments, parent_key, rotation)
+from ..planning.planner import DOMAIN, LOCAL, NETWORK
 from .cluster import Cluster
 
 PATH_CODE = {NETWORK: 0, DOMAIN: 1, LOCAL: 2}   # also the key's order of the paths
@@ -111,7 +111,7 @@ class Messages:
 
 
 # Network items at least this large travel as their own messages on CPU devices (the
-# executor's wire format, `core.program.PER_ITEM_MIN_BYTES`), in place when contiguous; smaller
+# executor's wire format, `execution.program.PER_ITEM_MIN_BYTES`), in place when contiguous; smaller
 # ones, strided ones and every domain (ring) transfer are copied.
 IN_PLACE_MIN_BYTES = 64 << 10
 

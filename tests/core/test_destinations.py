@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import ray_reshard as rr
-from ray_reshard.core.planner import Topology, plan_tensor, plan_tensor_direct
-from ray_reshard.simulate import simulate_refit
+from ray_reshard.planning.planner import Topology, plan_tensor, plan_tensor_direct
+from ray_reshard.execution.reference import simulate_refit
 
 
 def L(ranks, *placements, names=None):
@@ -118,7 +118,7 @@ def test_random_unions_with_colocated_sources_are_exact_and_at_the_bound():
 
 
 def test_unions_differing_only_in_rank_ids_share_one_canonical_plan():
-    from ray_reshard.core.planner import clear_caches, _canonical_plan
+    from ray_reshard.planning.planner import clear_caches, _canonical_plan
     clear_caches()
     topo = Topology.make(8, 8, ["s"] * 8, ["a"] * 8)
     for stage in range(2):

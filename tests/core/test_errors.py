@@ -5,9 +5,9 @@ import pytest
 import torch
 from torch.distributed.tensor import Partial as TPartial
 
-from ray_reshard.core import (Layout, Mesh, PlanError, Replicate, Shard, Slot, TensorSpec,
-                              as_placement, plan)
-from ray_reshard.core.planner import Topology, plan_tensor
+from ray_reshard.layout import Layout, Mesh, Replicate, Shard, Slot, TensorSpec, as_placement
+from ray_reshard.planning import PlanError, plan
+from ray_reshard.planning.planner import Topology, plan_tensor
 
 BF16 = torch.bfloat16
 

@@ -17,8 +17,8 @@ from torch.distributed.tensor import Replicate as TReplicate
 from torch.distributed.tensor import Shard as TShard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-from ray_reshard.core import (Box, Layout, Mesh, Replicate, Shard, Slot, TensorSpec, as_placement,
-                              assemble, shard_tensor)
+from ray_reshard.layout import (Box, Layout, Mesh, Replicate, Shard, Slot, TensorSpec,
+                                as_placement, assemble, shard_tensor)
 
 ALL_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
               torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
@@ -402,7 +402,7 @@ def test_layout_and_spec_pickle_roundtrip():
 
 _CHILD = r"""
 import pickle, sys
-from ray_reshard.core import Layout, Mesh, Replicate, Shard
+from ray_reshard.layout import Layout, Mesh, Replicate, Shard
 loaded, table = pickle.loads(sys.stdin.buffer.read())
 fresh = Layout(Mesh([[0, 1], [2, 3]], ("dp", "tp")), [Replicate(), Shard(0)])
 assert loaded == fresh, (loaded, fresh)

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from ray_reshard.cli_args import DEEPSEEK_V3, QWEN3_235B
-from ray_reshard.core import Endpoint, Layout, Mesh, Replicate, Shard, Slot, TensorSpec, plan
-from ray_reshard.core.plan import build_share
-from ray_reshard.core.planner import plan_tensor_direct
+from ray_reshard.planning import Endpoint, plan
+from ray_reshard.layout import Layout, Mesh, Replicate, Shard, Slot, TensorSpec
+from ray_reshard.planning.plan import build_share
+from ray_reshard.planning.planner import plan_tensor_direct
 from ray_reshard.models import VLLM, Megatron, Recipe
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -134,8 +135,8 @@ def test_shared_path_equals_straightforward_plan(case):
 
 
 def test_slot_tables_are_compact_and_behave_as_pairs():
-    from ray_reshard.core import Slots
-    from ray_reshard.core.spec import pack_slot_tables, unpack_slot_tables
+    from ray_reshard.layout import Slots
+    from ray_reshard.layout.spec import pack_slot_tables, unpack_slot_tables
 
     same = Slot("w", (3,), dim=0, offset=8)
     a = Slots.same((0, 2, 5), same)

@@ -8,14 +8,14 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from ray_reshard.core.plan import (build_share, forward_segment, forward_segments, is_forward_key,
-                                   parent_key, run_order)
+from ray_reshard.planning.plan import (build_share, forward_segment, forward_segments,
+                                       is_forward_key, parent_key, run_order)
 import torch
 
-from ray_reshard.core import (Box, Endpoint, Layout, Mesh, Replicate, Shard, TensorSpec, plan,
-                              shard_tensor)
-from ray_reshard.core.planner import DOMAIN, LOCAL, NETWORK, Topology, plan_tensor
-from ray_reshard.simulate import simulate_refit
+from ray_reshard.layout import Box, Layout, Mesh, Replicate, Shard, TensorSpec, shard_tensor
+from ray_reshard.planning import Endpoint, plan
+from ray_reshard.planning.planner import DOMAIN, LOCAL, NETWORK, Topology, plan_tensor
+from ray_reshard.execution.reference import simulate_refit
 
 F32 = torch.float32
 

@@ -17,10 +17,11 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from ray_reshard.core import Layout, Mesh, Replicate, Shard, TensorSpec, plan, shard_tensor
-from ray_reshard.core.plan import build_share
-from ray_reshard.core.planner import NETWORK, Endpoint
-from ray_reshard.simulate import simulate_refit
+from ray_reshard.layout import Layout, Mesh, Replicate, Shard, TensorSpec, shard_tensor
+from ray_reshard.planning import plan
+from ray_reshard.planning.plan import build_share
+from ray_reshard.planning.planner import NETWORK, Endpoint
+from ray_reshard.execution.reference import simulate_refit
 
 EXAMPLES = int(os.environ.get("RR_PROP_EXAMPLES", "120"))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None,

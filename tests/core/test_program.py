@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import torch
 
-from ray_reshard.core import Layout, Mesh, Replicate, Shard, TensorSpec, plan, shard_tensor
-from ray_reshard.core.pack import shard_view
-from ray_reshard.core.planner import Endpoint
-from ray_reshard.core.program import RECV, SEND, compile_program
+from ray_reshard.layout import Layout, Mesh, Replicate, Shard, TensorSpec, shard_tensor
+from ray_reshard.planning import plan
+from ray_reshard.execution.pack import shard_view
+from ray_reshard.planning.planner import Endpoint
+from ray_reshard.execution.program import RECV, SEND, compile_program
 
 
 def _two_ranks():
@@ -68,7 +69,7 @@ def test_views_are_cached_until_a_storage_is_rebound():
 def test_adjacent_contiguous_items_merge_into_one_copy():
     """Two tensors stored back to back in one flat buffer on the source are sent together to a
     destination that stores them back to back too: one copy run per side, not one per item."""
-    from ray_reshard.core.spec import Slot
+    from ray_reshard.layout.spec import Slot
     src = Layout(Mesh([0], ("tp",)), (Replicate(),))
     dst = Layout(Mesh([0], ("tp",)), (Replicate(),))
     specs = {"a": TensorSpec((4, 4), torch.float32, src, dst,

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import ray_reshard as rr
-from ray_reshard.core.placement import Replicate, Shard
-from ray_reshard.simulate import simulate_refit
+from ray_reshard.layout.placement import Replicate, Shard
+from ray_reshard.execution.reference import simulate_refit
 
 
 def L(ranks, *placements, names=None):

@@ -8,7 +8,7 @@ import torch
 import ray_reshard as rr
 from ray_reshard.models import (assemble_state_dict, empty_storage, hf_parameter_shapes,
                                 local_state, padding_mask, refit_specs, tied_aliases)
-from ray_reshard.simulate import simulate_refit
+from ray_reshard.execution.reference import simulate_refit
 
 SENTINEL = 7.0
 # the only storages with padding rows (vocabulary blocks), on either engine

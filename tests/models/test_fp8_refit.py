@@ -8,9 +8,9 @@ import ray
 import torch
 
 import ray_reshard as rr
-from ray_reshard.core.quant import BlockFP8, reference_quantize, scale_view
+from ray_reshard.layout.quant import BlockFP8, reference_quantize, scale_view
 from ray_reshard.models import Megatron, VLLM, Recipe, empty_storage, local_state, refit_specs
-from ray_reshard.simulate import simulate_refit
+from ray_reshard.execution.reference import simulate_refit
 from ray_reshard.testing import holders
 
 from models_testutil import make_model

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 import ray_reshard as rr
 from ray_reshard.models import (VLLM, Megatron, Recipe, assemble_state_dict, empty_storage,
                                 hf_parameter_shapes, local_state, padding_mask)
-from ray_reshard.simulate import simulate_refit
+from ray_reshard.execution.reference import simulate_refit
 
 DENSE = {"model_type": "qwen2", "vocab_size": 300, "hidden_size": 32, "intermediate_size": 48,
          "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 2}

@@ -5,7 +5,7 @@ import torch
 
 import ray_reshard as rr
 from ray_reshard.models import Megatron, VLLM, empty_storage, local_state, refit_specs
-from ray_reshard.simulate import simulate_refit
+from ray_reshard.execution.reference import simulate_refit
 
 from models_testutil import make_model
 

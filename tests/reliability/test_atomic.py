@@ -12,7 +12,7 @@ import torch
 from ray import cloudpickle
 
 import ray_reshard as rr
-from ray_reshard.core.placement import Replicate, Shard
+from ray_reshard.layout.placement import Replicate, Shard
 from ray_reshard.runtime import worker
 from ray_reshard.testing import Holder, start_cluster
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import ray_reshard as rr
-from ray_reshard.core.pack import shard_view
-from ray_reshard.core.placement import Replicate, Shard
-from ray_reshard.core.planner import Endpoint
-from ray_reshard.core.program import compile_program
+from ray_reshard.execution.pack import shard_view
+from ray_reshard.layout.placement import Replicate, Shard
+from ray_reshard.planning.planner import Endpoint
+from ray_reshard.execution.program import compile_program
 from ray_reshard.errors import TransportTimeout
 from ray_reshard.runtime.channel import Channel
 from ray_reshard.runtime.executor import Transports, run_program
@@ -214,7 +214,7 @@ def test_forward_segments_never_deadlock(window):
     """A 32-rank destination domain (TP2 x DP16): forwards are merged per segment of a round's
     rotations and sent during the next segment (two segments here), with network groups of one
     or four rotations. Bit-exact, no deadlock, under NCCL's rules."""
-    from ray_reshard.core.plan import forward_segments
+    from ray_reshard.planning.plan import forward_segments
 
     src = L([0, 1, 2, 3], Shard(0))
     dst = L(torch.arange(32).reshape(16, 2).tolist(), Replicate(), Shard(0), names=("dp", "tp"))

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 import ray_reshard as rr
-from ray_reshard.core.placement import Replicate, Shard
+from ray_reshard.layout.placement import Replicate, Shard
 from ray_reshard.runtime.node_helper import (FabricInfo, FabricInfoV2, fabric_domain_of,
                                              gpu_inventory)
 from ray_reshard.runtime.transport.devices import (choose_backend, expandable_segments,
                                                    ipc_open_device, shared_gpus)
 from ray_reshard.runtime.worker import raw_ops
-from ray_reshard.simulate import simulate_refit
+from ray_reshard.execution.reference import simulate_refit
 
 ROOT = Path(__file__).resolve().parents[2]
 

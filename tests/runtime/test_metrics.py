@@ -11,7 +11,7 @@ import ray
 import torch
 
 import ray_reshard as rr
-from ray_reshard.core.placement import Shard
+from ray_reshard.layout.placement import Shard
 from ray_reshard.testing import holders
 
 

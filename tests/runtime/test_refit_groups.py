@@ -6,7 +6,7 @@ import ray
 import torch
 
 import ray_reshard as rr
-from ray_reshard.core.placement import Replicate, Shard
+from ray_reshard.layout.placement import Replicate, Shard
 from ray_reshard.testing import holders
 
 

@@ -34,9 +34,9 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from . import quant as _quant
-from .plan import Plan, Transfer, build_share, gc_paused, parent_key, run_order
-from .planner import NETWORK, Endpoint
+from ..layout import quant as _quant
+from ..planning.plan import Plan, Transfer, build_share, gc_paused, parent_key, run_order
+from ..planning.planner import NETWORK, Endpoint
 
 SEND, RECV, COPY = "send", "recv", "copy"
 

@@ -12,10 +12,10 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from .box import Box
+from ..layout.box import Box
 from .planner import (DOMAIN, LOCAL, NETWORK, Endpoint, Move, PlanError, TensorPlan, Topology,
                       plan_tensor)
-from .spec import TensorSpec, pack_slot_tables, unpack_slot_tables
+from ..layout.spec import TensorSpec, pack_slot_tables, unpack_slot_tables
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 

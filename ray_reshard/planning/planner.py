@@ -14,9 +14,9 @@ from typing import Any, Hashable, Mapping, Sequence
 
 import numpy as np
 
-from .box import Box
-from .layout import Layout, LayoutUnion, _boxes
-from .mesh import Mesh
+from ..layout.box import Box
+from ..layout.layout import Layout, LayoutUnion, rank_boxes
+from ..layout.mesh import Mesh
 
 LOCAL, DOMAIN, NETWORK = "local", "domain", "network"
 PATHS = (LOCAL, DOMAIN, NETWORK)
@@ -592,8 +592,8 @@ def _plan_moves(shape, itemsize, src_layout: Layout, dst_layout: Layout, topo: T
     (1 when every replica of every source class that sends anything sends some of it) and,
     for regions that cross into a domain whole, which of its ranks receives them.
     """
-    src_classes = _classes(_boxes(src_layout, shape))
-    dst_classes = _classes(_boxes(dst_layout, shape))
+    src_classes = _classes(rank_boxes(src_layout, shape))
+    dst_classes = _classes(rank_boxes(dst_layout, shape))
     # Domains whose ranks hold different but overlapping boxes (only destination groups of a
     # LayoutUnion do): planned cell by cell after the others, below.
     mixed = (_mixed_domains(dst_classes, topo.dst_domains)
@@ -766,7 +766,7 @@ def _verify_cover(shape, dst_layout, moves: Sequence[Move]) -> None:
     for m in moves:
         into[m.dst].append(m.box)
     checked: set = set()        # replicas often receive the very same pieces: check once
-    for r, box in _boxes(dst_layout, tuple(shape)):
+    for r, box in rank_boxes(dst_layout, tuple(shape)):
         got = into.pop(r, [])
         if box.empty:
             if got:
@@ -824,8 +824,8 @@ def _stats(shape, itemsize, src_layout, dst_layout, topo: Topology,
         full *= s
     full *= itemsize
     shape = tuple(shape)
-    gather = sum(full - b.numel * itemsize for _, b in _boxes(src_layout, shape))
-    n_dst_holding = sum(1 for _, b in _boxes(dst_layout, shape) if not b.empty)
+    gather = sum(full - b.numel * itemsize for _, b in rank_boxes(src_layout, shape))
+    n_dst_holding = sum(1 for _, b in rank_boxes(dst_layout, shape) if not b.empty)
     return TensorStats(
         network_bytes=by_path[NETWORK], domain_bytes=by_path[DOMAIN], local_bytes=by_path[LOCAL],
         min_network_bytes=min_network_bytes(shape, itemsize, src_layout, dst_layout, topo),
@@ -841,8 +841,8 @@ def min_network_bytes(shape, itemsize, src_layout, dst_layout, topo: Topology) -
     needs (and holdings) are a union of blocks, painted on a boolean grid.
     """
     shape = tuple(shape)
-    src = [(r, b) for r, b in _boxes(src_layout, shape) if not b.empty]
-    dst = [(r, b) for r, b in _boxes(dst_layout, shape) if not b.empty]
+    src = [(r, b) for r, b in rank_boxes(src_layout, shape) if not b.empty]
+    dst = [(r, b) for r, b in rank_boxes(dst_layout, shape) if not b.empty]
     if not dst:
         return 0
     cuts = []
@@ -883,14 +883,14 @@ def min_network_bytes(shape, itemsize, src_layout, dst_layout, topo: Topology) -
 
 def clear_caches() -> None:
     """Forget every cached plan, box and interned object (for benchmarks and tests)."""
-    from .layout import _box, _boxes
+    from ..layout.layout import rank_box, rank_boxes
 
     plan_tensor.cache_clear()
     _canonical_plan.cache_clear()
     _canonical_layout.cache_clear()
     _side_labels.cache_clear()
-    _boxes.cache_clear()
-    _box.cache_clear()
+    rank_boxes.cache_clear()
+    rank_box.cache_clear()
     _positions.cache_clear()
     _rank_array.cache_clear()
     _ENDPOINTS.clear()

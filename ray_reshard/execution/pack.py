@@ -8,7 +8,7 @@ from typing import Mapping
 
 import torch
 
-from .plan import Plan
+from ..planning.plan import Plan
 
 
 def shard_view(plan: Plan, side: str, rank: int, tensor: int,

@@ -19,7 +19,7 @@ class _Holdings:
 
     def box(self, rank: int, shape: Sequence[int]) -> Optional[Box]:
         """The global box `rank` holds, or None when the rank is not in the mesh."""
-        return _box(self, int(rank), tuple(shape))
+        return rank_box(self, int(rank), tuple(shape))
 
     def local_shape(self, rank: int, shape: Sequence[int]) -> Optional[tuple[int, ...]]:
         b = self.box(rank, shape)
@@ -27,7 +27,7 @@ class _Holdings:
 
     def boxes(self, shape: Sequence[int]) -> dict[int, Box]:
         """Box of every rank in the mesh."""
-        return dict(_boxes(self, tuple(shape)))
+        return dict(rank_boxes(self, tuple(shape)))
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -242,18 +242,19 @@ def _extent_before(layout: Layout, shape, mesh_dim: int, tdim: int) -> int:
 
 
 @lru_cache(maxsize=1 << 12)
-def _boxes(layout: Layout, shape: tuple[int, ...]) -> tuple[tuple[int, Box], ...]:
+def rank_boxes(layout: Layout, shape: tuple[int, ...]) -> tuple[tuple[int, Box], ...]:
     """(rank, box) of every rank of the mesh, in mesh order. Cached; do not mutate."""
     if type(layout) is LayoutUnion:
-        return tuple(rb for part in layout.parts for rb in _boxes(part, shape))
-    return tuple((r, _box(layout, r, shape)) for r in layout.mesh.ranks)
+        return tuple(rb for part in layout.parts for rb in rank_boxes(part, shape))
+    return tuple((r, rank_box(layout, r, shape)) for r in layout.mesh.ranks)
 
 
 @lru_cache(maxsize=1 << 16)
-def _box(layout: Layout, rank: int, shape: tuple[int, ...]) -> Optional[Box]:
+def rank_box(layout: Layout, rank: int, shape: tuple[int, ...]) -> Optional[Box]:
+    """The box rank `rank` holds (None: not in the mesh). Cached."""
     if type(layout) is LayoutUnion:
         part = layout.part_of(rank)
-        return None if part is None else _box(part, rank, shape)
+        return None if part is None else rank_box(part, rank, shape)
     coords = layout.mesh.coords(rank)
     if coords is None:
         return None

@@ -239,7 +239,7 @@ class TensorSpec:
     local tensor is the one named like the logical tensor (a mapping rank -> Slot, or (rank,
     Slot) pairs, is kept as `Slots`). `quant` (a `BlockFP8`, with `dtype=torch.float8_e4m3fn`)
     asks for block FP8 on the destination, quantised by the senders, with float32 scales beside
-    the weights (see `ray_reshard.core.quant`).
+    the weights (see `ray_reshard.layout.quant`).
     """
 
     shape: tuple[int, ...]

@@ -12,11 +12,11 @@ from typing import Mapping, Sequence
 
 import torch
 
-from .core.pack import shard_view
-from .core.plan import DEFAULT_BUCKET_BYTES, Plan
-from .core.planner import Endpoint
-from .core.program import COPY, SEND, compile_program
-from .core.quant import WIDE, scale_view
+from .pack import shard_view
+from ..planning.plan import DEFAULT_BUCKET_BYTES, Plan
+from ..planning.planner import Endpoint
+from .program import COPY, SEND, compile_program
+from ..layout.quant import WIDE, scale_view
 
 
 def simulate_refit(plan: Plan, src_storage: Sequence[Mapping[str, torch.Tensor]],
