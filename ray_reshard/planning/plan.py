@@ -599,6 +599,7 @@ def forward_key(round_: int, segment: int, forwarder: int, target: int, path: st
 
 
 def is_forward_key(key: tuple) -> bool:
+    """True for the key of a forwarded bucket (see `forward_key`)."""
     return len(key) > 3 and key[3] == FORWARDED
 
 
