@@ -112,22 +112,22 @@ class Plan:
         return {n: i for i, n in enumerate(self.names)}
 
     @cached_property
-    def _distinct(self) -> list[tuple[TensorPlan, int]]:
-        """Each distinct TensorPlan with the number of tensors that use it."""
+    def distinct_plans(self) -> list[tuple[TensorPlan, int, int]]:
+        """Each distinct TensorPlan, the number of tensors that use it and the first of them."""
         counts: dict[int, list] = {}
-        for tp in self.tensor_plans:
+        for ti, tp in enumerate(self.tensor_plans):
             c = counts.get(id(tp))
             if c is None:
-                counts[id(tp)] = [tp, 1]
+                counts[id(tp)] = [tp, 1, ti]
             else:
                 c[1] += 1
-        return [(tp, n) for tp, n in counts.values()]
+        return [(tp, n, first) for tp, n, first in counts.values()]
 
     @cached_property
     def stats(self) -> PlanStats:
         tot = defaultdict(int)
-        distinct = self._distinct
-        for tp, n in distinct:
+        distinct = self.distinct_plans
+        for tp, n, _ in distinct:
             s = tp.totals
             numel = 1
             for d in tp.shape:
@@ -158,7 +158,7 @@ class Plan:
     def _network_bytes_by_rank(self, which: int, n: int) -> dict[int, int]:
         """rank -> network bytes it sends (which=0) or receives (which=1), ranks with some."""
         out = np.zeros(n, dtype=np.int64)
-        for tp, count in self._distinct:
+        for tp, count, _ in self.distinct_plans:
             ranks, nbytes = tp.network_bytes_arrays()[which]
             np.add.at(out, ranks, nbytes * count)
         return {int(r): int(out[r]) for r in np.flatnonzero(out)}

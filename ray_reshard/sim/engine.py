@@ -240,24 +240,13 @@ def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
     pair's rounds) merged and cut into buckets placed as `plan.forward_key` places them."""
     n_src, world = _gpu(plan)
     n_dst = world - n_src
-    uses: dict[int, list] = {}
-    for tp in plan.tensor_plans:
-        u = uses.get(id(tp))
-        if u is None:
-            uses[id(tp)] = [tp, 1]
-        else:
-            u[1] += 1
-    first_use = {}
-    for ti, tp in enumerate(plan.tensor_plans):
-        first_use.setdefault(id(tp), ti)
     staging = _Staging(plan)
     # per (sender, receiver, path, parent) - parent: for a forwarded piece the source whose
     # network bucket brought it in, else -1 - bytes, items, strided sent, contiguous sent,
     # strided received, contiguous received, smallest move
     pairs: dict[tuple, list] = defaultdict(lambda: [0, 0, 0, 0, 0, 0, 1 << 62])
-    for key, (tp, count) in uses.items():
+    for tp, count, ti in plan.distinct_plans:
         isz = tp.itemsize
-        ti = first_use[key]
         per = defaultdict(lambda: [0, 0, 0, 0, 0, 0, 1 << 62])
         brought_by = {(m.dst, m.box): m.src.rank for m in tp.moves
                       if m.path == NETWORK and m.src.side == "src"}
