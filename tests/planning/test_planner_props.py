@@ -4,7 +4,7 @@ Oracle: cut every source rank's shard out of a random full tensor, execute the p
 in-process reference executor, and compare every destination shard bit-exactly with the shard
 cut from the full tensor (converted to the destination dtype when they differ).
 
-RR_PROP_EXAMPLES=2000 pytest tests/core/test_planner_props.py   # a longer hunt
+RR_PROP_EXAMPLES=2000 pytest tests/planning/test_planner_props.py   # a longer hunt
 """
 from __future__ import annotations
 
