@@ -326,21 +326,19 @@ def build_schedule(plan: Plan, bucket_bytes: int) -> Schedule:
 
         for (src, dst, path), entries in pair_items.items():
             rot = rotation(src.rank, dst, n_src, topo.n_dst)
+            seg = forward_segment(rot, n_src, topo.n_dst)
             for k, bucket in enumerate(_pack(entries, bucket_bytes)):
                 key = (k, _PATH_ORDER[path], rot, gid(src), dst, 0, -1)
                 transfers.append(_transfer(isz, key, src, dst, path, bucket))
                 if path != NETWORK:
                     continue
-                seg = forward_segment(rot, n_src, topo.n_dst)
                 for entry in bucket:
                     item = entry[0]
                     for target, fpath in forwards.get((dst, item.tensor, entry[2]), ()):
                         fwd_into[(dst, target, fpath, k, seg)][key].append(entry)
-        for (f, target, fpath, k, seg), parts in fwd_into.items():
-            for c, (parent, fentries) in enumerate(_forward_buckets(parts, bucket_bytes, 1)):
-                fkey = forward_key(k, seg, f, target, fpath, c, parent, n_src, topo.n_dst)
-                transfers.append(_transfer(isz, fkey, Endpoint("dst", f), target, fpath,
-                                           fentries))
+        for fkey, f, target, fpath, fentries in _forwards(fwd_into, bucket_bytes, 1, n_src,
+                                                          topo.n_dst):
+            transfers.append(_transfer(isz, fkey, Endpoint("dst", f), target, fpath, fentries))
         return Schedule(transfers, bucket_bytes)
 
 
@@ -472,6 +470,7 @@ def _share(plan: Plan, mine: frozenset, bucket_bytes: int) -> list[Transfer]:
     fwd_into: dict[tuple, dict] = defaultdict(lambda: defaultdict(list))
     for i, (src, dst, path, ours) in enumerate(pair_keys):
         rot = rotation(src.rank, dst, n_src, plan.topology.n_dst)
+        seg = forward_segment(rot, n_src, plan.topology.n_dst)
         gsrc = src.rank if src.side == "src" else n_src + src.rank
         forwarder_mine = dst in my_dst
         for k, bucket in buckets(i, pair_lists[i]):
@@ -480,7 +479,6 @@ def _share(plan: Plan, mine: frozenset, bucket_bytes: int) -> list[Transfer]:
                 emit(key, src, dst, path, bucket)
             if path != NETWORK or not any_forwards:
                 continue
-            seg = forward_segment(rot, n_src, plan.topology.n_dst)
             for entry in bucket:
                 fw = forwards[entry[1]]
                 fs = None if fw is None else fw.get(dst)
@@ -490,10 +488,9 @@ def _share(plan: Plan, mine: frozenset, bucket_bytes: int) -> list[Transfer]:
                 for box, (target, fpath) in fs:
                     if box == parent and (forwarder_mine or target in my_dst):
                         fwd_into[(dst, target, fpath, k, seg)][key].append(entry)
-    for (f, target, fpath, k, seg), parts in fwd_into.items():
-        for c, (parent, fentries) in enumerate(_forward_buckets(parts, bucket_bytes, 0)):
-            emit(forward_key(k, seg, f, target, fpath, c, parent, n_src, plan.topology.n_dst),
-                 Endpoint("dst", f), target, fpath, fentries)
+    for fkey, f, target, fpath, fentries in _forwards(fwd_into, bucket_bytes, 0, n_src,
+                                                      plan.topology.n_dst):
+        emit(fkey, Endpoint("dst", f), target, fpath, fentries)
     transfers.sort(key=lambda t: t.key)
     return transfers
 
@@ -572,6 +569,12 @@ def forward_segments(n_src: int, n_dst: int) -> int:
     return max(1, min(FORWARD_SEGMENTS, max(n_src, n_dst) // SEGMENT_ROTATIONS))
 
 
+def segment_rotations(segment: int, n_src: int, n_dst: int) -> range:
+    """The rotations of a round that segment `segment` holds."""
+    n_rot, segments = max(n_src, n_dst), forward_segments(n_src, n_dst)
+    return range(segment * n_rot // segments, (segment + 1) * n_rot // segments)
+
+
 def forward_key(round_: int, segment: int, forwarder: int, target: int, path: str, chunk: int,
                 parent: tuple, n_src: int, n_dst: int) -> tuple:
     """Order key of forwarded bucket `chunk` from `forwarder` to `target`: what the forwarder
@@ -589,12 +592,11 @@ def forward_key(round_: int, segment: int, forwarder: int, target: int, path: st
     to one target and each target takes from one forwarder per ring rotation), then by
     descending forwarder: every forwarder but the few lowest sends before it receives, so the
     domain's forwards do not wait on each other in a chain."""
-    n_rot = max(n_src, n_dst)
     segments = forward_segments(n_src, n_dst)
     nxt_round, nxt = divmod(round_ * segments + segment + 1, segments)
-    lo, hi = nxt * n_rot // segments, (nxt + 1) * n_rot // segments
+    rots = segment_rotations(nxt, n_src, n_dst)
     j = (target - forwarder) % n_dst
-    return (nxt_round, _PATH_ORDER[NETWORK], lo + (j + chunk) % (hi - lo), FORWARDED, j,
+    return (nxt_round, _PATH_ORDER[NETWORK], rots[(j + chunk) % len(rots)], FORWARDED, j,
             -forwarder, target, _PATH_ORDER[path], chunk, parent[0], parent[2], parent[3])
 
 
@@ -616,6 +618,15 @@ def run_order(key: tuple, span: int) -> tuple:
     if key[1] != _PATH_ORDER[NETWORK] or span <= 1:
         return key
     return (key[0], key[1], key[2] // span, key[3] == FORWARDED) + key[2:]
+
+
+def _forwards(fwd_into: dict, bucket_bytes: int, size_at: int, n_src: int, n_dst: int):
+    """(key, forwarder, target, path, entries) of every forwarded bucket, from `fwd_into`
+    {(forwarder, target, path, round, segment): {network bucket key: entries}}."""
+    for (f, target, fpath, k, seg), parts in fwd_into.items():
+        for c, (parent, fentries) in enumerate(_forward_buckets(parts, bucket_bytes, size_at)):
+            yield (forward_key(k, seg, f, target, fpath, c, parent, n_src, n_dst), f, target,
+                   fpath, fentries)
 
 
 def _forward_buckets(parts: dict, bucket_bytes: int, size_at: int) -> list[tuple]:

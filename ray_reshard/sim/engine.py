@@ -68,8 +68,9 @@ from typing import Optional
 
 import numpy as np
 
-from ..planning.plan import (DEFAULT_BUCKET_BYTES, FORWARDED, MAX_WINDOW, Plan, default_window,
-                             forward_key, forward_segment, forward_segments, parent_key, rotation)
+from ..planning.plan import (DEFAULT_BUCKET_BYTES, MAX_WINDOW, Plan, default_window, forward_key,
+                             forward_segment, is_forward_key, parent_key, rotation,
+                             segment_rotations)
 from ..planning.planner import DOMAIN, LOCAL, NETWORK
 from .cluster import Cluster
 
@@ -320,7 +321,7 @@ def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
     n = len(rows)
     col = lambda j, dt=np.int64: np.fromiter((r[j] for r in rows), dtype=dt, count=n)
     keys = [r[0] for r in rows]
-    fwd_row = np.fromiter((len(k) > 3 and k[3] == FORWARDED for k in keys), dtype=bool, count=n)
+    fwd_row = np.fromiter(map(is_forward_key, keys), dtype=bool, count=n)
     path = col(3)
     return Messages(np.fromiter((k[0] for k in keys), dtype=np.int64, count=n),
                     np.where(fwd_row, FORWARD_ORDER, path), col(1), col(2), path, col(4),
@@ -510,8 +511,7 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, send
     snd, rcv, nbytes = msgs.sender.tolist(), msgs.receiver.tolist(), msgs.nbytes.tolist()
     items, parent = msgs.items.tolist(), msgs.parent.tolist()
     slot = msgs.slot.tolist() if msgs.slot is not None else [0] * len(rnd)
-    n_rot = max(n_src, world - n_src)
-    segments = forward_segments(n_src, world - n_src)
+    n_dst = world - n_src
     per_item = [False] * len(rnd) if packed_only else msgs.per_item.tolist()
     staged_s = (msgs.strided_send + msgs.contig_send).tolist()
     staged_r = (msgs.strided_recv + msgs.contig_recv).tolist()
@@ -632,7 +632,8 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, send
                 while inflight[s] and seq_done[s] < recv_seq[q]:
                     pop(s)
             else:                   # aggregate: the network groups of the earlier segments
-                before = (rnd[i], slot[i] * segments // n_rot * n_rot // segments)
+                seg = forward_segment(slot[i], n_src, n_dst)
+                before = (rnd[i], segment_rotations(seg, n_src, n_dst)[0])
                 while inflight[s] and inflight[s][0][4] < before:
                     pop(s)
         if path[i] == PATH_CODE[DOMAIN]:
