@@ -35,6 +35,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from ..layout import quant as _quant
+from . import regions as _regions
 from ..planning.plan import Plan, Transfer, build_share, gc_paused, parent_key, run_order
 from ..planning.planner import NETWORK, Endpoint
 
@@ -64,7 +65,8 @@ class Part:
     """The items of one transfer on one side, resolved against this process's shards."""
 
     __slots__ = ("held", "slices", "shapes", "numels", "wire", "offsets", "nbytes", "item_bytes",
-                 "quant", "_regions", "_runs", "_wires", "_msgs", "_scales")
+                 "quant", "_regions", "_runs", "_loose", "_table", "_engine", "_wires", "_msgs",
+                 "_scales")
 
     def __init__(self, held, slices, shapes, numels, wire, offsets, item_bytes, nbytes,
                  quant=None):
@@ -79,8 +81,11 @@ class Part:
         self.quant = quant            # None, or per item: a quant.QuantItem or None
         self._scales = None           # per quantised item holding scales: their region (bound)
         self._regions = None          # per item: region view in the local shard (bound)
-        self._runs = None             # merged copy runs (see _bind)
-        self._wires: dict = {}        # staging buffer data pointer -> wire views of the runs
+        self._runs = None             # merged copy runs (see bind)
+        self._loose = None            # the runs not on the copy table (copied with foreach)
+        self._table = None            # copy table of the other runs (see regions), or None
+        self._engine = None           # what runs the table (regions.HostCopy, cuda_copy)
+        self._wires: dict = {}        # staging buffer data pointer -> wire views of loose runs
         self._msgs = None             # per item: bytes of the region itself, or None (staged)
 
     def __len__(self) -> int:
@@ -89,6 +94,7 @@ class Part:
     # ------------------------------------------------------------------ binding
     def unbind(self) -> None:
         self._regions = self._runs = self._msgs = self._scales = None
+        self._loose = self._table = self._engine = None
         self._wires = {}
 
     def holds(self) -> set:
@@ -98,8 +104,9 @@ class Part:
             got.update(qi.scale_held for qi in self.quant if _blocks(qi) and qi.scale_held >= 0)
         return got
 
-    def bind(self, views: Sequence[torch.Tensor]) -> None:
-        """Resolve every item's region in `views` (indexed like Program.held) and merge runs."""
+    def bind(self, views: Sequence[torch.Tensor], engine=None) -> None:
+        """Resolve every item's region in `views` (indexed like Program.held) and merge runs.
+        With a copy `engine` (see `regions`), the runs it can copy go on one copy table."""
         regions = [views[h][s] for h, s in zip(self.held, self.slices)]
         # A run: (first item, last item + 1, wire dtype, local region of the whole run, flat).
         runs = []
@@ -124,13 +131,29 @@ class Part:
             runs.append((i, i + 1, self.wire[i], r.reshape(-1) if flat else r, flat))
         self._regions = regions
         self._runs = runs
+        self._loose, self._table, self._engine = runs, None, None
+        if engine is not None:
+            same = [k for k, run in enumerate(runs) if run[3].dtype == run[2]]
+            if len(same) > 1:
+                table = _regions.build([runs[k][3] for k in same],
+                                       [self.offsets[runs[k][0]] for k in same])
+                if len(table.covered) > 1:
+                    on = {same[c] for c in table.covered}
+                    engine.upload(table, runs[same[0]][3].device)
+                    self._table, self._engine = table, engine
+                    self._loose = [run for k, run in enumerate(runs) if k not in on]
         self._wires = {}
         self._msgs = None
 
     @property
     def n_runs(self) -> int:
-        """Copies per pack/unpack once bound (adjacent contiguous items merged)."""
+        """Regions copied per pack/unpack once bound (adjacent contiguous items merged)."""
         return len(self._runs)
+
+    @property
+    def n_copies(self) -> int:
+        """Copy calls per pack/unpack once bound: one for the copy table, one per run off it."""
+        return len(self._loose) + (self._table is not None)
 
     @property
     def bound(self) -> bool:
@@ -140,13 +163,13 @@ class Part:
         return self._regions[i]
 
     # ------------------------------------------------------------------ wire views
-    def _wire_views(self, buf: torch.Tensor, cache: bool) -> list:
+    def _wire_views(self, buf: torch.Tensor, cache: bool, runs=None) -> list:
         key = buf.data_ptr()
         got = self._wires.get(key) if cache else None
         if got is not None:
             return got
         out = []
-        for a, b, wd, region, flat in self._runs:
+        for a, b, wd, region, flat in (self._loose if runs is None else runs):
             start = self.offsets[a]
             end = self.offsets[b - 1] + self.item_bytes[b - 1]
             w = buf[start:end].view(wd)
@@ -157,10 +180,27 @@ class Part:
             self._wires[key] = out
         return out
 
+    def _copy(self, buf: torch.Tensor, cache: bool, to_wire: bool) -> None:
+        """Copy the runs between the local shards and `buf`: the copy table in one launch,
+        the rest with one foreach call (all of them so when `buf` is not aligned for it)."""
+        runs = self._loose
+        if self._table is not None:
+            if buf.data_ptr() % _regions.WIRE_ALIGN:
+                runs, cache = self._runs, False
+            else:
+                self._engine.copy(self._table, buf, to_wire)
+        if runs:
+            wires = self._wire_views(buf, cache, runs)
+            regions = [r[3] for r in runs]
+            if to_wire:
+                torch._foreach_copy_(wires, regions)
+            else:
+                torch._foreach_copy_(regions, wires)
+
     def pack(self, buf: torch.Tensor, cache: bool = True) -> None:
         """Copy the items from the local shards into `buf` (uint8, the bucket's bytes)."""
         if self._runs:
-            torch._foreach_copy_(self._wire_views(buf, cache), [r[3] for r in self._runs])
+            self._copy(buf, cache, True)
         if self.quant:
             for i, qi in enumerate(self.quant):
                 if _blocks(qi) or qi is UNALIGNED:
@@ -169,7 +209,7 @@ class Part:
     def unpack(self, buf: torch.Tensor, cache: bool = True) -> None:
         """Copy a bucket's bytes from `buf` into the local shards."""
         if self._runs:
-            torch._foreach_copy_([r[3] for r in self._runs], self._wire_views(buf, cache))
+            self._copy(buf, cache, False)
         if self.quant:
             for i, qi in enumerate(self.quant):
                 if _blocks(qi) or qi is UNALIGNED:
@@ -287,12 +327,15 @@ class Program:
             if s.recv is not None:
                 yield s.recv
 
-    def bind(self, lookup, token: Any = None) -> int:
+    def bind(self, lookup, token: Any = None, engine: Any = "auto") -> int:
         """Bind every part to the shard views `lookup[(side, rank, tensor)]`; only the parts
         whose shards changed storage, shape, strides or dtype since the last bind are rebuilt.
         `token`: the caller's name for exactly these view objects (None: unnamed); binding
         the views bound last under the same token checks nothing (finishers still start a new
-        refit). Returns how many parts were (re)built."""
+        refit). `engine` copies each part's regions as one copy table (see `regions`):
+        "auto" is one launch per table on CUDA (`cuda_copy`, where cupy is installed) and
+        foreach copies elsewhere; None is always foreach. Returns how many parts were
+        (re)built."""
         views = None
         if self.finishers:
             views = [lookup.get(k) for k in self.held]
@@ -321,8 +364,10 @@ class Program:
                         if id(p) not in seen:
                             seen.add(id(p))
                             dirty.append(p)
+        if engine == "auto":
+            engine = _auto_engine(views)
         for p in dirty:
-            p.bind(views)
+            p.bind(views, engine)
         self._sigs = sigs
         return len(dirty)
 
@@ -331,6 +376,15 @@ class Program:
         for p in self.parts():
             p.unbind()
         self._sigs = None
+
+
+def _auto_engine(views: Sequence[torch.Tensor]):
+    """The CUDA copy engine when the views are on a GPU and it can run, else None."""
+    first = next((v for v in views if v is not None), None)
+    if first is None or not first.is_cuda:
+        return None
+    from . import cuda_copy
+    return cuda_copy.engine()
 
 
 def _part(plan: Plan, t: Transfer, side: str, rank: int, held_index: dict, held: list,

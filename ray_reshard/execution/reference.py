@@ -21,8 +21,9 @@ from ..layout.quant import WIDE, scale_view
 
 def simulate_refit(plan: Plan, src_storage: Sequence[Mapping[str, torch.Tensor]],
                    dst_storage: Sequence[Mapping[str, torch.Tensor]],
-                   bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
-    """Execute `plan` writing into `dst_storage` in place; returns counts of bytes per path."""
+                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, engine="auto") -> dict:
+    """Execute `plan` writing into `dst_storage` in place; returns counts of bytes per path.
+    `engine`: how parts copy their regions (see `Program.bind`)."""
     storages = {"src": src_storage, "dst": dst_storage}
     topo = plan.topology
     eps = [Endpoint("src", r) for r in range(topo.n_src)] + [
@@ -32,7 +33,7 @@ def simulate_refit(plan: Plan, src_storage: Sequence[Mapping[str, torch.Tensor]]
         prog = compile_program(plan, [ep], bucket_bytes)
         views = {k: _view(plan, k, storages[k[0]][k[1]]) for k in prog.held
                  if len(k) == 3 or k[3] != WIDE}
-        prog.bind(views)
+        prog.bind(views, engine=engine)
         programs.append(prog)
     moved = {"network": 0, "domain": 0, "local": 0}
     packed: dict = {}            # key -> bucket bytes sent, not yet received

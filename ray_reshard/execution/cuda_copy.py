@@ -1,0 +1,129 @@
+"""One CUDA kernel launch per copy table (see `regions`): a bucket's regions packed or
+unpacked together, on the caller's current torch stream (so it is ordered with the NCCL
+operations and the ring handshakes around it, as `torch.Tensor.copy_` would be).
+
+Each block of 256 threads takes one chunk of the table; thread k of a chunk of `n_rows` rows
+and `n_units` units per row copies unit `k % n_units` of row `k // n_units`, stepping by the
+block size, `vec` bytes at a time. Built with cupy (the `gpu` extra); `available()` says
+whether it can run here.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from .regions import CHUNK_COLS, REGION_COLS, WIRE_ALIGN, Table
+
+THREADS = 256
+
+SOURCE = r"""
+#define REGION_COLS %(region_cols)d
+#define CHUNK_COLS %(chunk_cols)d
+
+template <typename V>
+__device__ void copy_chunk(const long long* r, const long long* c, long long wire, bool to_wire) {
+    const long long upr = r[2], n1 = r[4], n2 = r[5];
+    const long long s0 = r[6], s1 = r[7], s2 = r[8];
+    const bool flat = r[3] * n1 == 1;          // at most one outer dim: row i at i * s2
+    const long long row0 = c[1], u0 = c[3];
+    const int n_units = (int) c[4];
+    const int total = (int) c[2] * n_units;
+    for (int k = threadIdx.x; k < total; k += blockDim.x) {
+        const int rl = k / n_units;
+        const long long col = u0 + (k - rl * n_units);
+        const long long row = row0 + rl;
+        long long off;
+        if (flat) {
+            off = row * s2;
+        } else {
+            const long long i0 = row / (n1 * n2);
+            const long long rem = row - i0 * n1 * n2;
+            const long long i1 = rem / n2;
+            off = i0 * s0 + i1 * s1 + (rem - i1 * n2) * s2;
+        }
+        V* a = (V*) (r[0] + off) + col;
+        V* w = (V*) (wire + r[1]) + row * upr + col;
+        if (to_wire) {
+            *w = *a;
+        } else {
+            *a = *w;
+        }
+    }
+}
+
+extern "C" __global__ void copy_table(const long long* regions, const long long* chunks,
+                                      long long wire, long long to_wire) {
+    const long long* c = chunks + CHUNK_COLS * (long long) blockIdx.x;
+    const long long* r = regions + REGION_COLS * c[0];
+    switch (r[9]) {
+        case 16: copy_chunk<uint4>(r, c, wire, to_wire); break;
+        case 8: copy_chunk<unsigned long long>(r, c, wire, to_wire); break;
+        case 4: copy_chunk<unsigned int>(r, c, wire, to_wire); break;
+        case 2: copy_chunk<unsigned short>(r, c, wire, to_wire); break;
+        default: copy_chunk<unsigned char>(r, c, wire, to_wire); break;
+    }
+}
+""" % {"region_cols": REGION_COLS, "chunk_cols": CHUNK_COLS}
+
+_ENGINE: Optional["CudaCopy"] = None
+_FAILED: Optional[str] = None
+
+
+def available() -> bool:
+    """True when CUDA and cupy are both here."""
+    return engine() is not None
+
+
+def engine() -> Optional["CudaCopy"]:
+    """The process's CUDA copy engine, or None (no CUDA, or no cupy: see `why_not`)."""
+    global _ENGINE, _FAILED
+    if _ENGINE is None and _FAILED is None:
+        if not torch.cuda.is_available():
+            _FAILED = "CUDA is not available"
+        else:
+            try:
+                _ENGINE = CudaCopy()
+            except ImportError as e:
+                _FAILED = f"cupy is not installed (the gpu extra): {e}"
+    return _ENGINE
+
+
+def why_not() -> Optional[str]:
+    engine()
+    return _FAILED
+
+
+class CudaCopy:
+    """Launches `copy_table` for a table uploaded to the device."""
+
+    name = "cuda"
+
+    def __init__(self):
+        import cupy
+        self._cupy = cupy
+        self._kernel = cupy.RawKernel(SOURCE, "copy_table")
+        self._streams: dict = {}
+
+    def upload(self, table: Table, device: torch.device) -> None:
+        flat = np.concatenate([table.regions.ravel(), table.chunks.ravel()])
+        data = torch.from_numpy(flat).to(device)
+        table.device_data = (data, data.data_ptr(), data.data_ptr() + table.regions.size * 8)
+
+    def copy(self, table: Table, wire: torch.Tensor, to_wire: bool) -> None:
+        n = len(table.chunks)
+        if not n:
+            return
+        ptr = wire.data_ptr()
+        if ptr % WIRE_ALIGN:
+            raise ValueError(f"bucket at {ptr:#x} is not {WIRE_ALIGN}-byte aligned")
+        dev = wire.device.index if wire.device.index is not None else torch.cuda.current_device()
+        handle = torch.cuda.current_stream(dev).cuda_stream
+        stream = self._streams.get((dev, handle))
+        if stream is None:
+            stream = self._streams[(dev, handle)] = self._cupy.cuda.ExternalStream(handle, dev)
+        _, regions_ptr, chunks_ptr = table.device_data
+        with self._cupy.cuda.Device(dev):
+            self._kernel((n,), (THREADS,), (regions_ptr, chunks_ptr, ptr, int(to_wire)),
+                         stream=stream)

@@ -1,0 +1,270 @@
+"""Copy tables: a part's regions described as rows of bytes and copied in one launch.
+
+The table is checked here by running it on host memory (`regions.HostCopy`, one memmove per
+row piece, the same indexing as the CUDA kernel) against torch's own copies; the kernel itself
+runs in the `gpu` tests and the GPU check script.
+"""
+from __future__ import annotations
+
+import ctypes
+import random
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+import ray_reshard as rr
+from ray_reshard.execution import regions
+from ray_reshard.execution.reference import simulate_refit
+from ray_reshard.layout import Layout, Mesh, Replicate, Shard, TensorSpec, shard_tensor
+from ray_reshard.planning import plan
+
+
+def _reference_pack(views, offsets, nbytes):
+    wire = torch.full((nbytes,), 0xAB, dtype=torch.uint8)
+    for v, off in zip(views, offsets):
+        b = torch.empty(v.shape, dtype=v.dtype).copy_(v.cpu()).reshape(-1).view(torch.uint8)
+        wire[off:off + b.numel()] = b
+    return wire
+
+
+def _views(seed, device="cpu"):
+    """Strided views of several tensors (slices, steps, transposes, broadcasts), odd sizes and
+    offsets, and the wire offsets of their back-to-back layout."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    views, offsets, off = [], [], 0
+    for _ in range(rng.randint(1, 12)):
+        dtype = rng.choice([torch.float32, torch.bfloat16, torch.float64, torch.uint8, torch.int16])
+        ndim = rng.randint(1, 4)
+        shape = [rng.randint(1, 9) for _ in range(ndim)]
+        base = torch.randint(0, 250, shape, generator=g).to(dtype).to(device)
+        idx = []
+        for n in shape:
+            a = rng.randint(0, n - 1)
+            b = rng.randint(a + 1, n)
+            idx.append(slice(a, b, rng.choice([1, 1, 2])))
+        v = base[tuple(idx)]
+        if ndim >= 2 and rng.random() < 0.3:
+            v = v.transpose(0, ndim - 1)
+        if rng.random() < 0.1:
+            v = v.unsqueeze(0).expand(2, *v.shape)
+        es = v.element_size()
+        off = (off + es - 1) // es * es + rng.choice([0, 0, es, 16])
+        views.append(v)
+        offsets.append(off)
+        off += v.numel() * es
+    return views, offsets, off
+
+
+def test_rows_of_coalesces_dense_dims():
+    t = torch.zeros(4, 6, 8)
+    assert regions.rows_of(t) == (4 * 6 * 8 * 4, [], [])
+    assert regions.rows_of(t[:, 1:3]) == (2 * 8 * 4, [4], [6 * 8 * 4])
+    assert regions.rows_of(t[:, :, 2:5]) == (3 * 4, [4 * 6], [8 * 4])
+    # A transposed view has no dense inner dim: rows of one element.
+    assert regions.rows_of(t[0].t()) == (4, [8, 6], [4, 8 * 4])
+    # Size-one dims are dropped; more than three outer dims is left to the caller.
+    assert regions.rows_of(t[1:2, :, :1]) == (4, [6], [8 * 4])
+    assert regions.rows_of(torch.zeros(3, 3, 3, 3)[..., ::2]) == (4, [27, 2], [12, 8])
+    assert regions.rows_of(torch.zeros(3, 3, 3, 3, 3)[::2, ::2, ::2, ::2, ::2]) is None
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_host_copy_packs_and_unpacks_like_torch(seed):
+    views, offsets, nbytes = _views(seed)
+    table = regions.build(views, offsets)
+    described = [k for k, v in enumerate(views) if v.numel() and regions.rows_of(v) is not None]
+    assert table.covered == described
+    engine = regions.HostCopy()
+    engine.upload(table, torch.device("cpu"))
+    wire = torch.full((nbytes + 32,), 0xAB, dtype=torch.uint8)[:nbytes]
+    assert wire.data_ptr() % regions.WIRE_ALIGN == 0
+    engine.copy(table, wire, True)
+    want = _reference_pack([views[k] for k in described], [offsets[k] for k in described], nbytes)
+    assert torch.equal(wire, want)
+    assert table.nbytes == sum(views[k].numel() * views[k].element_size() for k in described)
+    # Unpack into fresh, differently strided destinations (no broadcast dims there).
+    outs = []
+    for k in described:
+        v = views[k]
+        if 0 in v.stride():
+            continue
+        big = torch.zeros([n + 2 for n in v.shape], dtype=v.dtype)
+        outs.append((k, big[tuple(slice(1, 1 + n) for n in v.shape)]))
+    if outs:
+        back = regions.build([o for _, o in outs], [offsets[k] for k, _ in outs])
+        engine.upload(back, torch.device("cpu"))
+        engine.copy(back, wire, False)
+        for k, o in outs:
+            assert torch.equal(o, views[k])
+
+
+def test_chunks_cut_wide_rows_and_group_narrow_ones():
+    flat = torch.arange(1 << 16, dtype=torch.float32)           # one 256 KiB row
+    narrow = torch.zeros(1000, 8)[:, :2]                       # 1000 rows of 8 bytes
+    table = regions.build([flat, narrow], [0, flat.numel() * 4])
+    rows = {k: [c for c in table.chunks.tolist() if c[0] == k] for k in (0, 1)}
+    assert len(rows[0]) == (1 << 18) // regions.CHUNK_BYTES
+    assert all(c[2] == 1 for c in rows[0])
+    assert sum(c[2] for c in rows[1]) == 1000 and len(rows[1]) == 1
+    assert table.regions[0, 9] == 16 and table.regions[1, 9] == 8
+
+
+def test_unaligned_wire_is_refused():
+    table = regions.build([torch.zeros(8)], [0])
+    engine = regions.HostCopy()
+    engine.upload(table, torch.device("cpu"))
+    with pytest.raises(ValueError, match="aligned"):
+        engine.copy(table, torch.zeros(64, dtype=torch.uint8)[1:33], True)
+
+
+def _layouts_case():
+    src = Layout(Mesh([[0, 1], [2, 3]], ("dp", "tp")), (Replicate(), Shard(0)))
+    dst = Layout(Mesh([0, 1, 2], ("tp",)), (Shard(1),))
+    specs = {"w": TensorSpec((12, 18), torch.float32, src, dst),
+             "b": TensorSpec((12, 5, 3), torch.bfloat16, src, dst),
+             "h": TensorSpec((18, 6), torch.bfloat16, src, dst, src_dtype=torch.float32)}
+    return specs, plan(specs, src_domains=["a", "a", "b", "b"], dst_domains=["a", "b", "b"],
+                       dst_devices=[0, 1, 2], src_devices=[0, 3, 4, 5])
+
+
+@pytest.mark.parametrize("bucket", [1 << 20, 96])
+def test_refit_with_copy_tables_is_bit_exact(bucket):
+    """Whole refits with every part's regions on copy tables (run on the host) match the
+    foreach path and the truth, small buckets (many parts, items cut across them) included."""
+    specs, p = _layouts_case()
+    fulls = {n: torch.randn(s.shape).to(s.src_dtype or s.dtype) for n, s in specs.items()}
+    class Counting(regions.HostCopy):
+        calls = 0
+
+        def copy(self, table, wire, to_wire):
+            Counting.calls += 1
+            super().copy(table, wire, to_wire)
+
+    got = {}
+    for engine in (None, Counting()):
+        src = [{n: shard_tensor(fulls[n], s.src, r).clone() for n, s in specs.items()}
+               for r in range(4)]
+        dst = [{n: torch.zeros(s.dst.local_shape(r, s.shape), dtype=s.dtype)
+                for n, s in specs.items()} for r in range(3)]
+        simulate_refit(p, src, dst, bucket_bytes=bucket, engine=engine)
+        got[engine is None] = dst
+    assert Counting.calls > 0
+    for r in range(3):
+        for n, s in specs.items():
+            want = shard_tensor(fulls[n].to(s.dtype), s.dst, r)
+            assert torch.equal(got[True][r][n], want)
+            assert torch.equal(got[False][r][n], want), (n, r)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(8))
+def test_cuda_kernel_packs_and_unpacks_like_torch(seed):
+    from ray_reshard.execution import cuda_copy
+    assert cuda_copy.available(), cuda_copy.why_not()
+    views, offsets, nbytes = _views(seed, "cuda")
+    table = regions.build(views, offsets)
+    engine = cuda_copy.engine()
+    engine.upload(table, torch.device("cuda"))
+    wire = torch.full((nbytes,), 0xAB, dtype=torch.uint8, device="cuda")
+    engine.copy(table, wire, True)
+    torch.cuda.synchronize()
+    described = table.covered
+    want = _reference_pack([views[k] for k in described], [offsets[k] for k in described], nbytes)
+    assert torch.equal(wire.cpu(), want)
+    outs = [(k, torch.zeros([n + 2 for n in views[k].shape], dtype=views[k].dtype,
+                            device="cuda")[tuple(slice(1, 1 + n) for n in views[k].shape)])
+            for k in described if 0 not in views[k].stride()]
+    if outs:
+        back = regions.build([o for _, o in outs], [offsets[k] for k, _ in outs])
+        engine.upload(back, torch.device("cuda"))
+        engine.copy(back, wire, False)
+        torch.cuda.synchronize()
+        for k, o in outs:
+            assert torch.equal(o, views[k])
+
+
+HOST_SHIM = """
+#include <cstdint>
+struct uint4 { unsigned int x, y, z, w; };
+struct Index { unsigned int x; };
+static Index threadIdx, blockIdx, blockDim;
+#define __global__
+#define __device__
+%s
+extern "C" void run_blocks(const long long* regions, const long long* chunks, long long n,
+                           long long wire, long long to_wire, int threads) {
+    blockDim.x = threads;
+    for (long long b = 0; b < n; b++) {
+        blockIdx.x = (unsigned int) b;
+        for (int t = 0; t < threads; t++) {
+            threadIdx.x = t;
+            copy_table(regions, chunks, wire, to_wire);
+        }
+    }
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def kernel_on_host(tmp_path_factory):
+    """The CUDA kernel's own source compiled for the host (every block and thread run in
+    turn), so its indexing is checked here against torch without a GPU."""
+    from ray_reshard.execution import cuda_copy
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler to build the kernel for the host")
+    d = tmp_path_factory.mktemp("kernel")
+    (d / "k.cpp").write_text(HOST_SHIM % cuda_copy.SOURCE)
+    subprocess.run([cxx, "-O1", "-shared", "-fPIC", "-o", str(d / "k.so"), str(d / "k.cpp")],
+                   check=True, capture_output=True)
+    lib = ctypes.CDLL(str(d / "k.so"))
+    lib.run_blocks.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong,
+                               ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int]
+    return lib
+
+
+@pytest.mark.parametrize("seed", range(16))
+@pytest.mark.parametrize("threads", [1, 7, 256])
+def test_kernel_source_run_on_the_host_packs_like_torch(kernel_on_host, seed, threads):
+    views, offsets, nbytes = _views(seed)
+    table = regions.build(views, offsets)
+    reg = np.ascontiguousarray(table.regions)
+    chunks = np.ascontiguousarray(table.chunks)
+    wire = torch.full((nbytes + 32,), 0xAB, dtype=torch.uint8)[:nbytes]
+    kernel_on_host.run_blocks(reg.ctypes.data, chunks.ctypes.data, len(chunks), wire.data_ptr(),
+                              1, threads)
+    described = table.covered
+    want = _reference_pack([views[k] for k in described], [offsets[k] for k in described], nbytes)
+    assert torch.equal(wire, want)
+    outs = [(k, torch.zeros([n + 2 for n in views[k].shape], dtype=views[k].dtype)[
+        tuple(slice(1, 1 + n) for n in views[k].shape)])
+        for k in described if 0 not in views[k].stride()]
+    if outs:
+        back = regions.build([o for _, o in outs], [offsets[k] for k, _ in outs])
+        reg, chunks = np.ascontiguousarray(back.regions), np.ascontiguousarray(back.chunks)
+        kernel_on_host.run_blocks(reg.ctypes.data, chunks.ctypes.data, len(chunks),
+                                  wire.data_ptr(), 0, threads)
+        for k, o in outs:
+            assert torch.equal(o, views[k])
+
+
+def test_kernel_source_on_the_host_wide_rows_and_three_outer_dims(kernel_on_host):
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(100_000, generator=g)                        # rows cut into chunks
+    four = torch.randn(5, 7, 7, 8, generator=g)[1:4, ::2, 1:6, :6]  # three outer dims
+    odd = torch.randint(0, 255, (50, 33), generator=g, dtype=torch.uint8)[:, 1:30]  # vec 1
+    views = [big, four, odd]
+    offsets = [0, big.numel() * 4, big.numel() * 4 + four.numel() * 4]
+    nbytes = offsets[-1] + odd.numel()
+    table = regions.build(views, offsets)
+    assert table.covered == [0, 1, 2]
+    assert regions.rows_of(four)[1] == [3, 4, 5]
+    reg, chunks = np.ascontiguousarray(table.regions), np.ascontiguousarray(table.chunks)
+    wire = torch.zeros(nbytes, dtype=torch.uint8)
+    kernel_on_host.run_blocks(reg.ctypes.data, chunks.ctypes.data, len(chunks), wire.data_ptr(),
+                              1, 64)
+    assert torch.equal(wire, _reference_pack(views, offsets, nbytes))
