@@ -6,7 +6,9 @@
     python release_tests/gpu_smoke.py --json out.json  # also write the results as JSON
 
 Steps: GPU pack/unpack bandwidth against a plain device-to-device copy of the same bytes (goal:
-at least 0.8 of copy bandwidth); several actors sharing the GPU (fractional ``num_gpus``) refit
+at least 0.8 of copy bandwidth); a bucket of 2000 strided regions packed by one copy-table
+launch against one foreach call (host time per pack: the launch cost the cluster simulator's
+GPU presets estimate); several actors sharing the GPU (fractional ``num_gpus``) refit
 between layouts over CUDA IPC, bit-exact; dtype conversion (float32 -> bfloat16) on the GPU;
 an atomic refit; a rank failing mid-refit (fail-fast: RefitError naming it long before the
 deadline, old weights kept, the group rebuilt with a replacement); NCCL: refused clearly for
@@ -180,6 +182,69 @@ def pack_bandwidth(ctx):
     if not ctx.dry and ratio < 0.8:
         raise AssertionError(text)
     return text
+
+
+@step(180)
+def copy_tables(ctx):
+    """A bucket of many small strided regions packed by one copy-table launch against one
+    foreach call over the same regions: bit-exact both ways; host time per pack (the launch,
+    what the simulator's GPU presets charge per bucket end besides the executor's step) and
+    device time."""
+    from ray_reshard.execution import cuda_copy, regions
+    from ray_reshard.sim import cluster
+    n, rows, cols, width = (64, 16, 64, 16) if ctx.dry else (2000, 64, 1024, 128)
+    if ctx.dry:
+        engine = regions.HostCopy()
+    else:
+        if not cuda_copy.available():
+            raise AssertionError(f"copy tables cannot run: {cuda_copy.why_not()}")
+        engine = cuda_copy.engine()
+    tensors = [torch.randn(rows, cols, device=ctx.device).to(torch.bfloat16) for _ in range(n)]
+    views = [t[:, (k % 4) * width:(k % 4 + 1) * width] for k, t in enumerate(tensors)]
+    size = rows * width * 2
+    offsets = [k * size for k in range(n)]
+    nbytes = n * size
+    table = regions.build(views, offsets)
+    engine.upload(table, torch.device(ctx.device))
+    wire = torch.zeros(nbytes, dtype=torch.uint8, device=ctx.device)
+    ref = torch.zeros(nbytes, dtype=torch.uint8, device=ctx.device)
+    wires = [ref[o:o + size].view(torch.bfloat16).view(rows, width) for o in offsets]
+
+    def per_call(fn, reps, sync):
+        fn()
+        _sync(ctx)
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            if sync:
+                _sync(ctx)
+            best = min(best, (time.perf_counter() - t0) / reps)
+        _sync(ctx)
+        return best
+
+    pack_table = lambda: engine.copy(table, wire, True)
+    pack_foreach = lambda: torch._foreach_copy_(wires, views)
+    host_table = per_call(pack_table, 20, False)
+    host_foreach = per_call(pack_foreach, 5, False)
+    dev_table = per_call(pack_table, 20, True)
+    dev_foreach = per_call(pack_foreach, 5, True)
+    if not torch.equal(wire, ref):
+        raise AssertionError("copy-table pack differs from foreach")
+    outs = [torch.zeros(rows, cols, dtype=torch.bfloat16, device=ctx.device)[:, :width]
+            for _ in range(n)]
+    back = regions.build(outs, offsets)
+    engine.upload(back, torch.device(ctx.device))
+    engine.copy(back, wire, False)
+    _sync(ctx)
+    if not all(torch.equal(o, v) for o, v in zip(outs, views)):
+        raise AssertionError("copy-table unpack differs")
+    gbs = lambda t: nbytes / t / 1e9
+    return (f"{n} regions, {nbytes / 1e6:.1f} MB: host per pack: table {host_table * 1e6:.1f} us, "
+            f"foreach {host_foreach * 1e6:.1f} us; device: table {gbs(dev_table):.1f} GB/s, "
+            f"foreach {gbs(dev_foreach):.1f} GB/s (simulator's launch estimate "
+            f"{cluster.LAUNCH_S * 1e6:.0f} us)")
 
 
 def _shared_refit_setup(ctx, n_src=2, n_dst=3):

@@ -11,7 +11,9 @@ program keeps its real items, buckets and wire formats; only each item's extent 
 `--scale` per dimension so its tensors fit in memory. Prints items, seconds, microseconds per
 item and the share of the NIC bound (busiest NIC's bytes at 50 GB/s: about 0.84 s for
 DeepSeek-V3) that this CPU time would take. Side by side: the same items through the per-item
-path the executor used before compiled programs (see `per_item_path`).
+path the executor used before compiled programs (see `per_item_path`), and the executor's time
+per step without its packing and unpacking copies (wall time of the run less the executor's
+own pack and unpack clocks): what a GPU host pays per step besides one copy-table launch.
 
 first-refit: every step the driver and each process pay on the first refit of a spec set:
 specs, plan, `ray.put` of the plan (the driver ships it once), unpickling it and compiling the
@@ -164,7 +166,7 @@ def replay(args) -> None:
           f"extents / {args.scale} per dim)")
     head = (f"{'layout':<40} {'rank':>6} {'items':>7} {'steps':>6} {'compile s':>9} "
             f"{'bind s':>7} {'run cpu s':>9} {'wall s':>6} {'us/item':>7} {'NIC bound s':>11} {'share':>6} "
-            f"{'per-item path us/item':>21}")
+            f"{'per-item path us/item':>21} {'steps w/o copies us/step':>24}")
     print(head)
     print("-" * len(head))
     for train, infer in layouts:
@@ -188,18 +190,21 @@ def replay(args) -> None:
             t0 = time.process_time()
             small.bind(views, token)
             t_bind = time.process_time() - t0
-            runs, walls = [], []
+            runs, walls, bare = [], [], []
             for _ in range(args.repeat):
                 t0, c0 = time.perf_counter(), time.process_time()
-                run_program(small, views, tr, deadline, token)
+                stats = run_program(small, views, tr, deadline, token)
                 runs.append(time.process_time() - c0)
                 walls.append(time.perf_counter() - t0)
+                clock = stats["clock"]
+                bare.append(walls[-1] - clock["pack"] - clock["unpack"])
             items = small.n_items
             best = min(runs)
             old = min(per_item_path(small, views) for _ in range(args.repeat)) / items * 1e6
             print(f"{lay:<40} {str(ep):>6} {items:>7} {len(small.steps):>6} {t_compile:>9.2f} "
                   f"{t_bind:>7.2f} {best:>9.3f} {min(walls):>6.2f} {best / items * 1e6:>7.2f} {bound_s:>11.2f} "
-                  f"{100 * best / bound_s:>5.1f}% {old:>21.1f}", flush=True)
+                  f"{100 * best / bound_s:>5.1f}% {old:>21.1f} "
+                  f"{min(bare) / len(small.steps) * 1e6:>24.1f}", flush=True)
             del small, views, prog, share
         del specs, p
 

@@ -5,9 +5,11 @@
 For each published row: the published reshard (and gather-broadcast or direct) figure, our
 predicted reshard time, the bound, our direct point-to-point and gather_broadcast predictions.
 Layout details the publications leave out are filled in as printed (e.g. Megatron's data
-parallel size from the GPU count). `ours` uses the executor's measured per-item and per-tensor
-CPU costs; `links` sets them to zero (what the executor's ordering of the schedule takes when
-only links limit each step).
+parallel size from the GPU count). `ours` uses the executor's CPU costs: per bucket end its
+step and one copy-table launch (GPU presets), per tensor its view lookups; `per-item` copies
+each region on its own at the per-item cost `bench-replay` measured (copy tables off); `links`
+sets every CPU cost to zero (what the executor's ordering of the schedule takes when only links
+limit each step).
 """
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     pick = None if args.rows is None else {int(x) for x in args.rows.split(",")}
     head = (f"{'#':>2} {'published by':<30} {'model':<12} {'train -> infer':<52} "
-            f"{'published':<26} {'ours s':>7} {'links s':>7} {'bound s':>7} {'/bound':>6} {'direct s':>8} "
+            f"{'published':<26} {'ours s':>7} {'per-item s':>10} {'links s':>7} {'bound s':>7} "
+            f"{'/bound':>6} {'direct s':>8} "
             f"{'gath-bc s':>9}  published other")
     print(head)
     print("-" * len(head))
@@ -45,10 +48,12 @@ def main(argv=None) -> int:
             continue
         base = ["--model", model, "--train", train, "--infer", infer, "--cluster", cluster]
         o = run(build_parser().parse_args(base))
-        links = run(build_parser().parse_args(base + ["--item-us", "0", "--tensor-us", "0"]))
+        per_item = run(build_parser().parse_args(base + ["--copy-tables", "off", "--step-us", "0"]))
+        links = run(build_parser().parse_args(base + ["--item-us", "0", "--tensor-us", "0",
+                                                      "--step-us", "0"]))
         lay = f"{o['train']} -> {o['infer']}".replace("Megatron ", "").replace("vLLM ", "")
         print(f"{i:>2} {who:<30} {model:<12} {lay:<52} {pub:<26} {o['predicted_s']:>7.2f} "
-              f"{links['predicted_s']:>7.2f} {o['bound_s']:>7.2f} {o['predicted_s'] / o['bound_s']:>6.2f} {o['direct_s']:>8.2f} "
+              f"{per_item['predicted_s']:>10.2f} {links['predicted_s']:>7.2f} {o['bound_s']:>7.2f} {o['predicted_s'] / o['bound_s']:>6.2f} {o['direct_s']:>8.2f} "
               f"{o['gather_broadcast_s']:>9.2f}  {other}", flush=True)
     return 0
 

@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..planning.plan import default_window
+from ..planning.plan import default_window, gc_paused
 from ..planning.planner import NETWORK
 from ..execution.program import COPY, SEND, Program
 from .channel import Channel, NetChannel, RingChannel
@@ -84,7 +84,13 @@ def run_program(prog: Program, views: dict, tr: Transports, deadline: float,
                 token: Any = None) -> dict:
     """Run `prog` with the validated shard views `views[(side, rank, tensor)]`; returns stats.
     `token` names exactly these view objects (see `Program.bind`): the same token as the last
-    run skips re-checking them."""
+    run skips re-checking them. The cyclic garbage collector is paused meanwhile: it would
+    rescan the program's many objects for the small acyclic ones each step allocates."""
+    with gc_paused():
+        return _run(prog, views, tr, deadline, token)
+
+
+def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any) -> dict:
     now = time.perf_counter
     t_bind = now()
     rebuilt = prog.bind(views, token)

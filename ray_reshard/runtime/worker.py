@@ -16,7 +16,7 @@ import torch
 
 from ..layout import quant
 from ..execution.overlap import overlapping_pairs, overlaps_itself
-from ..planning.plan import Plan
+from ..planning.plan import Plan, gc_paused
 from ..errors import GroupStateLost
 from . import strategies
 from .transport import torch_pg
@@ -317,43 +317,46 @@ def run(actor, group_id: str, key, timeout_s: float, version: int, atomic: bool 
     wg.undo = None
     captured, wg.captured = wg.captured, None
     try:
-        prog = wg.programs[key]
-        views, errors, aliased, token = _check(actor, wg, prog)
-        t_checked = time.perf_counter()
-        clock = {"check": t_checked - t0}
-        if vote is not None:
-            refused = wg.pg.vote(vote, not errors, deadline)
-            clock["vote"] = time.perf_counter() - t_checked
-            if refused:
-                return {"refused": errors, "pid": wg.pid}
-        elif errors:
-            raise ValueError("; ".join(errors))
-        extra = aliased_bytes = 0
-        if captured is not None:          # an overlapped refit: send what capture() copied
-            if captured[0] != key:
-                raise RuntimeError(f"process {wg.pid} captured sources of another refit")
-            views.update(captured[1])
-            extra = sum(v.numel() * v.element_size() for v in captured[1].values())
-            snapshot = True
-        copy_first = [] if captured is not None else \
-            [k for k in views if k[0] == "src"] if snapshot else \
-            ([] if atomic else aliased)
-        if captured is not None or copy_first or atomic:
-            token = None              # some views are copies made for this refit only
-        for k in copy_first:
-            v = views[k]
-            views[k] = v.clone()
-            extra += v.numel() * v.element_size()
-        if not snapshot:
-            aliased_bytes = extra
-        targets = {}
-        if atomic:
-            for k, v in views.items():
-                if k[0] == "dst":
-                    targets[k] = v
-                    views[k] = torch.empty_like(v)
-                    extra += v.numel() * v.element_size()
-        stats = strategies.STRATEGIES[prog.strategy].execute(wg, prog, views, deadline, token)
+        # Cyclic collections would rescan the programs' many objects again and again, for
+        # the small acyclic ones checking and running allocate.
+        with gc_paused():
+            prog = wg.programs[key]
+            views, errors, aliased, token = _check(actor, wg, prog)
+            t_checked = time.perf_counter()
+            clock = {"check": t_checked - t0}
+            if vote is not None:
+                refused = wg.pg.vote(vote, not errors, deadline)
+                clock["vote"] = time.perf_counter() - t_checked
+                if refused:
+                    return {"refused": errors, "pid": wg.pid}
+            elif errors:
+                raise ValueError("; ".join(errors))
+            extra = aliased_bytes = 0
+            if captured is not None:          # an overlapped refit: send what capture() copied
+                if captured[0] != key:
+                    raise RuntimeError(f"process {wg.pid} captured sources of another refit")
+                views.update(captured[1])
+                extra = sum(v.numel() * v.element_size() for v in captured[1].values())
+                snapshot = True
+            copy_first = [] if captured is not None else \
+                [k for k in views if k[0] == "src"] if snapshot else \
+                ([] if atomic else aliased)
+            if captured is not None or copy_first or atomic:
+                token = None              # some views are copies made for this refit only
+            for k in copy_first:
+                v = views[k]
+                views[k] = v.clone()
+                extra += v.numel() * v.element_size()
+            if not snapshot:
+                aliased_bytes = extra
+            targets = {}
+            if atomic:
+                for k, v in views.items():
+                    if k[0] == "dst":
+                        targets[k] = v
+                        views[k] = torch.empty_like(v)
+                        extra += v.numel() * v.element_size()
+            stats = strategies.STRATEGIES[prog.strategy].execute(wg, prog, views, deadline, token)
     except BaseException as e:
         _abort_channels(wg, f"{type(e).__name__}: {e}")
         raise

@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--latency-us", type=float, help="per-message latency")
     ap.add_argument("--item-us", type=float, help="executor CPU time per item")
     ap.add_argument("--tensor-us", type=float, help="CPU time per tensor per process")
+    ap.add_argument("--step-us", type=float, help="CPU time per bucket end besides its items")
+    ap.add_argument("--copy-tables", choices=("on", "off"), default=None,
+                    help="a bucket end's regions copied by one launch (on: no cost per item; "
+                         "default: the cluster's)")
     ap.add_argument("--timeline", default=None, help="rank whose timeline to show, e.g. dst:0 "
                                                      "(default: the one with the busiest link)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -79,7 +83,9 @@ def run(args) -> dict:
         nic_Bps=None if args.nic_gbit is None else args.nic_gbit / 8 * GB,
         latency_s=None if args.latency_us is None else args.latency_us * 1e-6,
         item_s=None if args.item_us is None else args.item_us * 1e-6,
-        tensor_s=None if args.tensor_us is None else args.tensor_us * 1e-6)
+        tensor_s=None if args.tensor_us is None else args.tensor_us * 1e-6,
+        step_s=None if args.step_us is None else args.step_us * 1e-6,
+        copy_tables=None if args.copy_tables is None else args.copy_tables == "on")
     if args.window is not None and not 1 <= args.window <= 16:
         raise ValueError(f"--window must be in 1..16, got {args.window}")
     if args.bucket_mb <= 0:

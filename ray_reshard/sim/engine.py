@@ -29,8 +29,9 @@ of its last network group, and its network groups in flight:
   segment of a round's rotations, merged) sort into the next segment, spread over its
   rotations: the forwarder first completes its groups up to the last network bucket they draw
   from, so the next segment's receives are in flight while it forwards;
-* CPU work per bucket end: `item_s` per item (and `message_s` per message where items travel
-  as their own messages) plus its copies: bytes of strided regions at
+* CPU work per bucket end: `step_s`, plus `item_s` per item unless its regions are copied
+  by one copy-table launch (`copy_tables`, GPU clusters), plus `message_s` per message where
+  items travel as their own messages, plus its copies: bytes of strided regions at
   `copy_Bps`, of contiguous regions at `contig_copy_Bps`; network items in place (CPU wire
   format, `per_item_min_bytes`) copy nothing; every process first looks up its tensors' views
   (`tensor_s` each).
@@ -393,7 +394,7 @@ def _work(msgs: Messages, cluster: Cluster) -> tuple[np.ndarray, np.ndarray, np.
         net = msgs.path == PATH_CODE[NETWORK]
         cs = np.where(net, msgs.nbytes - ss, cs)
         cr = np.where(net, msgs.nbytes - sr, cr)
-    base = msgs.items * cluster.item_s
+    base = cluster.step_s + (0.0 if cluster.copy_tables else msgs.items * cluster.item_s)
     if cluster.per_item_min_bytes is not None and cluster.message_s:
         base = base + np.where(msgs.per_item, msgs.items * cluster.message_s, 0.0)
     send_copy = ss / cluster.copy_Bps + cs / cluster.contig_copy_Bps

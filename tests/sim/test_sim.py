@@ -165,6 +165,21 @@ def test_item_costs_can_dominate():
     assert costly.cpu_s > 0
 
 
+def test_copy_tables_cost_per_bucket_end_not_per_item():
+    """With copy tables a bucket end costs `step_s` whatever its item count (the per-item cost
+    no longer applies to reshard buckets); without them each item costs `item_s`."""
+    p = rr.plan(_tp4_to_tp2dp2(n=64, rows=64, cols=64), ["n0"] * 4, ["n1"] * 4)
+    tables = BARE.with_(copy_tables=True, step_s=1e-4)
+    a = simulate(p, tables.with_(item_s=1e-3), 1 << 20, "exact")
+    b = simulate(p, tables.with_(item_s=0.0), 1 << 20, "exact")
+    assert a.predicted_s == pytest.approx(b.predicted_s) and a.cpu_s == pytest.approx(b.cpu_s)
+    bare = simulate(p, BARE, 1 << 20, "exact")
+    ends = 2 * bare.messages
+    assert a.cpu_s > bare.cpu_s and a.cpu_s <= bare.cpu_s + ends * 1e-4 * (1 + 1e-9)
+    per_item = simulate(p, BARE.with_(item_s=1e-3, step_s=1e-4), 1 << 20, "exact")
+    assert per_item.cpu_s > a.cpu_s + 0.05
+
+
 def test_cli_json(capsys):
     rc = cli_main(["--model", "llama70b", "--train", "megatron:tp=8,pp=4",
                    "--infer", "vllm:tp=8,dp=4", "--cluster", "dgx-h100", "--json"])
@@ -255,8 +270,8 @@ def test_exact_and_aggregate_agree_with_many_replicas(window):
     schedule's merged forwards, so both replays agree."""
     p = _many_replicas_plan()
     cl = preset("gb200-nvl72").with_(gpus_per_domain=16)
-    ex = simulate(p, cl, 256 << 10, "exact", window=window)
-    ag = simulate(p, cl, 256 << 10, "aggregate", window=window)
+    ex = simulate(p, cl, 1 << 20, "exact", window=window)
+    ag = simulate(p, cl, 1 << 20, "aggregate", window=window)
     assert ag.predicted_s == pytest.approx(ex.predicted_s, rel=0.1)
     assert ag.messages == pytest.approx(ex.messages, rel=0.25)
 
