@@ -41,6 +41,7 @@ from ..execution.program import Part, Program, Step, compile_program, per_item_m
 from ..models import VLLM, Megatron, Recipe
 from ..runtime.channel import LoopbackChannel
 from ..runtime.executor import Transports, default_window, run_program
+from ..runtime.worker import storage_signature
 from ..cli_args import DEEPSEEK_V3, QWEN3_235B
 from .model_bytes import DSV3_PP16, QWEN3_PP8
 
@@ -158,6 +159,27 @@ def per_item_path(prog: Program, views: dict) -> float:
     return time.process_time() - t0
 
 
+def steady_check(p: Plan, prog: Program, views: dict, repeat: int = 20) -> tuple:
+    """What a steady-state refit's check costs this process (see `worker.storage_signature`):
+    (local tensors, shards, seconds per local tensor, seconds per shard). The local tensors are
+    the recipe's storage names for the program's shards (small stand-ins: a signature does not
+    depend on a tensor's size); the view table is the program's."""
+    names = tuple(dict.fromkeys(p.specs[ti].slot(side, rank, p.names[ti]).storage
+                                for side, rank, ti in prog.held))
+    storage = {n: torch.zeros(4) for n in names}
+    with gc_paused():                      # as the worker runs it
+        last = storage_signature(storage, names)
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            assert storage_signature(storage, names) == last
+        per_storage = (time.perf_counter() - t0) / repeat / len(names)
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            dict(views)
+        per_shard = (time.perf_counter() - t0) / repeat / max(1, len(views))
+    return len(names), len(views), per_storage, per_shard
+
+
 def replay(args) -> None:
     torch.set_num_threads(1)         # CPU time below is one thread's work
     title, config, layouts = CASES[args.model]
@@ -169,6 +191,7 @@ def replay(args) -> None:
             f"{'per-item path us/item':>21} {'steps w/o copies us/step':>24}")
     print(head)
     print("-" * len(head))
+    checks = []
     for train, infer in layouts:
         specs, p, st, _, _ = build(config, train, infer)
         bound_s = max(st.max_recv_bytes, st.max_send_bytes) / NIC_BYTES_PER_S
@@ -201,12 +224,24 @@ def replay(args) -> None:
             items = small.n_items
             best = min(runs)
             old = min(per_item_path(small, views) for _ in range(args.repeat)) / items * 1e6
+            checks.append((lay, ep, steady_check(p, prog, views)))
             print(f"{lay:<40} {str(ep):>6} {items:>7} {len(small.steps):>6} {t_compile:>9.2f} "
                   f"{t_bind:>7.2f} {best:>9.3f} {min(walls):>6.2f} {best / items * 1e6:>7.2f} {bound_s:>11.2f} "
                   f"{100 * best / bound_s:>5.1f}% {old:>21.1f} "
                   f"{min(bare) / len(small.steps) * 1e6:>24.1f}", flush=True)
             del small, views, prog, share
         del specs, p
+    print()
+    print("A steady-state refit's check of the same ranks' local tensors (nothing changed since "
+          "the last refit): one signature per local tensor, one copy of the view table")
+    head = (f"{'layout':<40} {'rank':>6} {'local tensors':>13} {'shards':>7} "
+            f"{'us/local tensor':>15} {'us/shard':>8} {'check ms':>8}")
+    print(head)
+    print("-" * len(head))
+    for lay, ep, (n_storage, n_shard, per_storage, per_shard) in checks:
+        print(f"{lay:<40} {str(ep):>6} {n_storage:>13} {n_shard:>7} {per_storage * 1e6:>15.2f} "
+              f"{per_shard * 1e6:>8.3f} {(n_storage * per_storage + n_shard * per_shard) * 1e3:>8.2f}",
+              flush=True)
 
 
 # --------------------------------------------------------------------------- first refit

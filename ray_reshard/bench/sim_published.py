@@ -50,7 +50,7 @@ def main(argv=None) -> int:
         o = run(build_parser().parse_args(base))
         per_item = run(build_parser().parse_args(base + ["--copy-tables", "off", "--step-us", "0"]))
         links = run(build_parser().parse_args(base + ["--item-us", "0", "--tensor-us", "0",
-                                                      "--step-us", "0"]))
+                                                      "--shard-us", "0", "--step-us", "0"]))
         lay = f"{o['train']} -> {o['infer']}".replace("Megatron ", "").replace("vLLM ", "")
         print(f"{i:>2} {who:<30} {model:<12} {lay:<52} {pub:<26} {o['predicted_s']:>7.2f} "
               f"{per_item['predicted_s']:>10.2f} {links['predicted_s']:>7.2f} {o['bound_s']:>7.2f} {o['predicted_s'] / o['bound_s']:>6.2f} {o['direct_s']:>8.2f} "

@@ -186,9 +186,10 @@ def _storage(actor, wg: _WorkerGroup) -> dict:
     return got
 
 
-def _signature(storage: dict, names: tuple) -> tuple:
-    """What the local tensors a program reads and writes look like: their memory and layout.
-    Equal signatures mean the shard views cut from them last time are still the same memory."""
+def storage_signature(storage: dict, names: tuple) -> tuple:
+    """What the local tensors `names` of `storage` look like: their memory and layout. Equal
+    signatures mean the shard views cut from them last time are still the same memory: a
+    refit's check costs one signature per local tensor (and a copy of the view table) then."""
     sig = []
     for n in names:
         t = storage.get(n)
@@ -205,7 +206,7 @@ def _views(actor, wg: _WorkerGroup, prog: _Program) -> tuple[dict, list[str], li
     naming these view objects (the same while they are reused). Validation runs in full only
     when a local tensor changed memory or layout since the last one that passed."""
     storage = _storage(actor, wg)
-    sig = _signature(storage, prog.storages)
+    sig = storage_signature(storage, prog.storages)
     if prog.checked is not None and prog.checked[0] == sig:
         return dict(prog.checked[1]), [], prog.checked[2], prog.checked[3]
     views, errors = {}, []

@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--nic-gbit", type=float, help="NIC Gb/s per GPU per direction")
     ap.add_argument("--latency-us", type=float, help="per-message latency")
     ap.add_argument("--item-us", type=float, help="executor CPU time per item")
-    ap.add_argument("--tensor-us", type=float, help="CPU time per tensor per process")
+    ap.add_argument("--tensor-us", type=float, help="CPU time per local tensor per process")
+    ap.add_argument("--shard-us", type=float, help="CPU time per shard per process")
     ap.add_argument("--step-us", type=float, help="CPU time per bucket end besides its items")
     ap.add_argument("--copy-tables", choices=("on", "off"), default=None,
                     help="a bucket end's regions copied by one launch (on: no cost per item; "
@@ -84,6 +85,7 @@ def run(args) -> dict:
         latency_s=None if args.latency_us is None else args.latency_us * 1e-6,
         item_s=None if args.item_us is None else args.item_us * 1e-6,
         tensor_s=None if args.tensor_us is None else args.tensor_us * 1e-6,
+        shard_s=None if args.shard_us is None else args.shard_us * 1e-6,
         step_s=None if args.step_us is None else args.step_us * 1e-6,
         copy_tables=None if args.copy_tables is None else args.copy_tables == "on")
     if args.window is not None and not 1 <= args.window <= 16:

@@ -14,11 +14,14 @@ from typing import Optional
 GB = 1e9
 
 # Executor CPU time per item (one box of one tensor packed, unpacked or sent in place) and per
-# tensor per process (view lookups before the rounds), measured on the development machine by
-# `python -m ray_reshard.bench.sim_calibrate` (2-core CPU box; host-side Python costs, which a
-# GPU host pays too, on faster cores).
+# local tensor per process (a refit's checks before the rounds), measured on the development
+# machine by `python -m ray_reshard.bench.sim_calibrate` (2-core CPU box, every tensor its own
+# local tensor; host-side Python costs, which a GPU host pays too, on faster cores).
 MEASURED_ITEM_S = 0.6e-6
 MEASURED_TENSOR_S = 2.3e-6
+# A steady-state refit's check per shard: a copy of the view table (0.008 us per shard on the
+# busiest Qwen3-235B and DeepSeek-V3 destinations, `bench-replay`'s check table).
+MEASURED_SHARD_S = 0.01e-6
 # The executor's CPU time per item at real-model scale: the busiest DeepSeek-V3 ranks' compiled
 # programs (about 50k items each) replayed by `python -m ray_reshard bench-replay` (2.3 us per
 # item on the busiest destination, 3.3 us on the busiest source, copying the scaled-down bytes
@@ -27,11 +30,11 @@ MEASURED_TENSOR_S = 2.3e-6
 REPLAY_ITEM_S = 3.1e-6
 # On a GPU a reshard bucket end's regions are copied by one copy-table launch (see
 # execution/cuda_copy.py), whatever their count: per bucket end, the executor's own time per
-# step without its copies (4.7 us on the busiest DeepSeek-V3 ranks, `bench-replay --scale 32`,
+# step without its copies (4.5 us on the busiest DeepSeek-V3 destination, `bench-replay --scale 32`,
 # column "steps w/o copies") plus that launch. LAUNCH_S is an estimate (cupy's Python launch
 # path, a device switch and the stream lookup), not a measurement: `release_tests/gpu_smoke.py`
 # measures it on a GPU host (step `copy_tables`).
-MEASURED_STEP_S = 4.7e-6
+MEASURED_STEP_S = 4.5e-6
 LAUNCH_S = 20e-6
 
 
@@ -46,7 +49,9 @@ class Cluster:
     latency_s: float = 20e-6            # per network group a process posts
     ring_latency_s: float = 20e-6       # per ring transfer (the sender's stream sync, publish)
     item_s: float = MEASURED_ITEM_S
-    tensor_s: float = MEASURED_TENSOR_S  # per tensor per process taking part (views, checks)
+    tensor_s: float = MEASURED_TENSOR_S  # per local tensor per process taking part (a refit's
+                                         # check; a fused tensor holding many shards is one)
+    shard_s: float = 0.0                # per shard per process (the view table)
     step_s: float = 0.0                 # per bucket end besides its items (the executor's step,
                                         # and the copy-table launch where `copy_tables`)
     copy_tables: bool = False           # a bucket end's regions are copied by one launch: no
@@ -70,7 +75,7 @@ class Cluster:
         for n in ("nvlink_Bps", "nic_Bps", "copy_Bps", "contig_copy_Bps"):
             if not getattr(self, n) > 0:
                 raise ValueError(f"{n} must be positive, got {getattr(self, n)}")
-        for n in ("latency_s", "ring_latency_s", "item_s", "tensor_s", "step_s",
+        for n in ("latency_s", "ring_latency_s", "item_s", "tensor_s", "shard_s", "step_s",
                   "refit_overhead_s", "message_s"):
             if getattr(self, n) < 0:
                 raise ValueError(f"{n} must be >= 0, got {getattr(self, n)}")
@@ -90,7 +95,9 @@ class Cluster:
             s += f"{self.item_s * 1e6:.1f} us per item, "
             if self.step_s:
                 s += f"{self.step_s * 1e6:.1f} us per bucket end, "
-        s += f"{self.tensor_s * 1e6:.1f} us per tensor per process"
+        s += f"{self.tensor_s * 1e6:.1f} us per local tensor per process"
+        if self.shard_s:
+            s += f" and {self.shard_s * 1e6:.3f} us per shard"
         s += (f", {self.refit_overhead_s * 1e3:.1f} ms per refit, staging copies "
               f"{self.copy_Bps / GB:.1f} GB/s strided, {self.contig_copy_Bps / GB:.1f} GB/s "
               f"contiguous")
@@ -112,12 +119,12 @@ PRESETS = {
     # DGX H100: NVLink 4 (900 GB/s bidirectional per GPU), one 400 Gb/s ConnectX-7 per GPU.
     "dgx-h100": Cluster("dgx-h100", 8, 450 * GB, 400 / 8 * GB, latency_s=20e-6,
                         item_s=REPLAY_ITEM_S, step_s=MEASURED_STEP_S + LAUNCH_S,
-                        copy_tables=True, pack_over_link=True),
+                        shard_s=MEASURED_SHARD_S, copy_tables=True, pack_over_link=True),
     # GB200 NVL72: 72 GPUs in one NVLink 5 domain (1.8 TB/s bidirectional per GPU), one
     # 400 Gb/s ConnectX-7 per GPU to the scale-out fabric.
     "gb200-nvl72": Cluster("gb200-nvl72", 72, 900 * GB, 400 / 8 * GB, latency_s=20e-6,
                            item_s=REPLAY_ITEM_S, step_s=MEASURED_STEP_S + LAUNCH_S,
-                           copy_tables=True, pack_over_link=True),
+                           shard_s=MEASURED_SHARD_S, copy_tables=True, pack_over_link=True),
     # This machine's two simulated nodes (every rank shares 2 CPU cores): gloo over loopback as
     # the network, shared-memory rings as the domain links (their rate without the copies,
     # which are CPU work). Figures measured by

@@ -33,8 +33,9 @@ of its last network group, and its network groups in flight:
   by one copy-table launch (`copy_tables`, GPU clusters), plus `message_s` per message where
   items travel as their own messages, plus its copies: bytes of strided regions at
   `copy_Bps`, of contiguous regions at `contig_copy_Bps`; network items in place (CPU wire
-  format, `per_item_min_bytes`) copy nothing; every process first looks up its tensors' views
-  (`tensor_s` each).
+  format, `per_item_min_bytes`) copy nothing; every process first checks its local tensors
+  (`tensor_s` each: a refit checks each local tensor the shards live in, e.g. one fused
+  tensor for all of a layer's experts) and its view table (`shard_s` per shard).
 
 The replay ends when every process has completed and unpacked everything. Where the cluster
 caps the sum over all links (`fabric_Bps`, `domain_fabric_Bps`) the refit takes at least those
@@ -360,10 +361,9 @@ def simulate(plan: Plan, cluster: Cluster, bucket_bytes: int = DEFAULT_BUCKET_BY
     return replay(plan, msgs, cluster, bucket_bytes, timeline_rank, window, ring_recv)
 
 
-def tensors_per_process(plan: Plan) -> np.ndarray:
-    """How many tensors each GPU (sources first, then destinations) sends or receives."""
-    n_src, world = _gpu(plan)
-    counts = np.zeros(world, dtype=np.int64)
+def _ranks_of(plan: Plan):
+    """Per tensor, the GPUs (sources first, then destinations) that send or receive it."""
+    n_src, _ = _gpu(plan)
     ranks_of: dict[int, list] = {}
     for tp in plan.tensor_plans:
         rs = ranks_of.get(id(tp))
@@ -372,9 +372,40 @@ def tensors_per_process(plan: Plan) -> np.ndarray:
             for m in tp.moves:
                 seen.add(m.src.rank if m.src.side == "src" else n_src + m.src.rank)
                 seen.add(n_src + m.dst)
-            rs = ranks_of[id(tp)] = list(seen)
+            rs = ranks_of[id(tp)] = sorted(seen)
+        yield rs
+
+
+def tensors_per_process(plan: Plan) -> np.ndarray:
+    """How many tensors (shards) each GPU (sources first, then destinations) sends or receives."""
+    _, world = _gpu(plan)
+    counts = np.zeros(world, dtype=np.int64)
+    for rs in _ranks_of(plan):
         counts[rs] += 1
     return counts
+
+
+def storages_per_process(plan: Plan) -> np.ndarray:
+    """How many local tensors those shards live in, per GPU (a spec's slots name them; a shard
+    without a slot is a local tensor of its own)."""
+    n_src, world = _gpu(plan)
+    own = np.zeros(world, dtype=np.int64)
+    named: list = [set() for _ in range(world)]
+    for ti, rs in enumerate(_ranks_of(plan)):
+        spec = plan.specs[ti]
+        if not spec.src_slots and not spec.dst_slots:
+            own[rs] += 1
+            continue
+        name = plan.names[ti]
+        for g in rs:
+            side, rank = ("src", g) if g < n_src else ("dst", g - n_src)
+            slots = spec.src_slots if side == "src" else spec.dst_slots
+            slot = slots.get(rank) if slots else None
+            if slot is None:
+                own[g] += 1
+            else:
+                named[g].add(slot.storage)
+    return own + np.array([len(x) for x in named], dtype=np.int64)
 
 
 def _link_names(n_src: int, world: int) -> list[str]:
@@ -412,7 +443,9 @@ def replay(plan: Plan, msgs: Messages, cluster: Cluster, bucket_bytes: int,
     dom = msgs.path == PATH_CODE[DOMAIN]
     R = int(msgs.round.max()) + 1 if len(msgs.round) else 0
     send_work, recv_work, send_copy = _work(msgs, cluster)
-    prep = tensors_per_process(plan) * cluster.tensor_s
+    prep = storages_per_process(plan) * cluster.tensor_s
+    if cluster.shard_s:
+        prep = prep + tensors_per_process(plan) * cluster.shard_s
 
     total = np.zeros(4 * world)
     for mask, base_s, base_r in ((net, 0, world), (dom, 2 * world, 3 * world)):
