@@ -290,7 +290,9 @@ def test_bench_replay_small():
     rows = [line.split() for line in out.splitlines() if re.search(r"\s(dst|src)\d+\s", line)]
     assert rows and all(int(r[r.index(next(x for x in r if re.fullmatch(r"(dst|src)\d+", x))) + 1])
                         > 0 for r in rows)
-    assert "us/item" in out
+    assert "us/item" in out and "steps w/o copies" in out and "tables" in out
+    checks = [r for r in rows if len(r) == 9]    # the check table: local tensors <= shards
+    assert checks and all(0 < int(r[4]) <= int(r[5]) for r in checks)
 
 
 def test_bench_first_refit_small():

@@ -13,7 +13,9 @@ item and the share of the NIC bound (busiest NIC's bytes at 50 GB/s: about 0.84 
 DeepSeek-V3) that this CPU time would take. Side by side: the same items through the per-item
 path the executor used before compiled programs (see `per_item_path`), and the executor's time
 per step without its packing and unpacking copies (wall time of the run less the executor's
-own pack and unpack clocks): what a GPU host pays per step besides one copy-table launch.
+own pack and unpack clocks): what a GPU host pays per step besides one copy-table launch; and
+binding the program again from scratch, without and with every part's copy table built (as
+on a GPU).
 
 first-refit: every step the driver and each process pay on the first refit of a spec set:
 specs, plan, `ray.put` of the plan (the driver ships it once), unpickling it and compiling the
@@ -37,6 +39,7 @@ import torch
 
 from ..planning.plan import Plan, build_share, gc_paused, plan as make_plan
 from ..planning.planner import Endpoint
+from ..execution import regions
 from ..execution.program import Part, Program, Step, compile_program, per_item_min_bytes
 from ..models import VLLM, Megatron, Recipe
 from ..runtime.channel import LoopbackChannel
@@ -188,7 +191,8 @@ def replay(args) -> None:
           f"extents / {args.scale} per dim)")
     head = (f"{'layout':<40} {'rank':>6} {'items':>7} {'steps':>6} {'compile s':>9} "
             f"{'bind s':>7} {'run cpu s':>9} {'wall s':>6} {'us/item':>7} {'NIC bound s':>11} {'share':>6} "
-            f"{'per-item path us/item':>21} {'steps w/o copies us/step':>24}")
+            f"{'per-item path us/item':>21} {'steps w/o copies us/step':>24} "
+            f"{'rebind s (foreach / tables)':>27}")
     print(head)
     print("-" * len(head))
     checks = []
@@ -225,10 +229,20 @@ def replay(args) -> None:
             best = min(runs)
             old = min(per_item_path(small, views) for _ in range(args.repeat)) / items * 1e6
             checks.append((lay, ep, steady_check(p, prog, views)))
+            # Binding again from scratch, without and with every part's copy table built as on
+            # a GPU (the host engine builds the same tables; uploading them is left out).
+            rebind = []
+            for engine in (None, regions.HostCopy()):
+                small.unbind()
+                gc.collect()
+                t0 = time.process_time()
+                small.bind(views, None, engine=engine)
+                rebind.append(time.process_time() - t0)
             print(f"{lay:<40} {str(ep):>6} {items:>7} {len(small.steps):>6} {t_compile:>9.2f} "
                   f"{t_bind:>7.2f} {best:>9.3f} {min(walls):>6.2f} {best / items * 1e6:>7.2f} {bound_s:>11.2f} "
                   f"{100 * best / bound_s:>5.1f}% {old:>21.1f} "
-                  f"{min(bare) / len(small.steps) * 1e6:>24.1f}", flush=True)
+                  f"{min(bare) / len(small.steps) * 1e6:>24.1f} "
+                  f"{f'{rebind[0]:.2f} / {rebind[1]:.2f}':>27}", flush=True)
             del small, views, prog, share
         del specs, p
     print()

@@ -19,7 +19,7 @@ GB = 1e9
 # local tensor; host-side Python costs, which a GPU host pays too, on faster cores).
 MEASURED_ITEM_S = 0.6e-6
 MEASURED_TENSOR_S = 2.3e-6
-# A steady-state refit's check per shard: a copy of the view table (0.005-0.010 us per shard
+# A steady-state refit's check per shard: a copy of the view table (0.005-0.012 us per shard
 # on the busiest Qwen3-235B and DeepSeek-V3 ranks, `bench-replay`'s check table; its signature
 # per local tensor there, 0.5 us, is below MEASURED_TENSOR_S, which the GPU presets keep).
 MEASURED_SHARD_S = 0.01e-6
