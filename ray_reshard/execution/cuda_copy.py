@@ -9,6 +9,7 @@ whether it can run here.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import numpy as np
@@ -77,7 +78,8 @@ def available() -> bool:
 
 
 def engine() -> Optional["CudaCopy"]:
-    """The process's CUDA copy engine, or None (no CUDA, or no cupy: see `why_not`)."""
+    """The process's CUDA copy engine, or None (no CUDA, no cupy, or the kernel does not
+    compile here: see `why_not`; parts then copy with foreach, and a warning says why once)."""
     global _ENGINE, _FAILED
     if _ENGINE is None and _FAILED is None:
         if not torch.cuda.is_available():
@@ -87,6 +89,11 @@ def engine() -> Optional["CudaCopy"]:
                 _ENGINE = CudaCopy()
             except ImportError as e:
                 _FAILED = f"cupy is not installed (the gpu extra): {e}"
+            except Exception as e:
+                _FAILED = f"the copy kernel does not compile here: {type(e).__name__}: {e}"
+            if _FAILED is not None:
+                warnings.warn(f"ray_reshard: copy tables off, regions copied one by one on the "
+                              f"GPU: {_FAILED}", RuntimeWarning, stacklevel=2)
     return _ENGINE
 
 
@@ -104,7 +111,15 @@ class CudaCopy:
         import cupy
         self._cupy = cupy
         self._kernel = cupy.RawKernel(SOURCE, "copy_table")
+        self._kernel.compile()           # now, not in the middle of a refit
         self._streams: dict = {}
+
+    def _wrap(self, stream: torch.cuda.Stream, dev: int):
+        """torch's stream as a cupy stream (cupy >= 14 through the CUDA stream protocol)."""
+        cuda = self._cupy.cuda
+        if hasattr(cuda.Stream, "from_external"):
+            return cuda.Stream.from_external(stream)
+        return cuda.ExternalStream(stream.cuda_stream, dev)
 
     def upload(self, table: Table, device: torch.device) -> None:
         flat = np.concatenate([table.regions.ravel(), table.chunks.ravel()])
@@ -119,10 +134,10 @@ class CudaCopy:
         if ptr % WIRE_ALIGN:
             raise ValueError(f"bucket at {ptr:#x} is not {WIRE_ALIGN}-byte aligned")
         dev = wire.device.index if wire.device.index is not None else torch.cuda.current_device()
-        handle = torch.cuda.current_stream(dev).cuda_stream
-        stream = self._streams.get((dev, handle))
+        current = torch.cuda.current_stream(dev)
+        stream = self._streams.get((dev, current.cuda_stream))
         if stream is None:
-            stream = self._streams[(dev, handle)] = self._cupy.cuda.ExternalStream(handle, dev)
+            stream = self._streams[(dev, current.cuda_stream)] = self._wrap(current, dev)
         _, regions_ptr, chunks_ptr = table.device_data
         with self._cupy.cuda.Device(dev):
             self._kernel((n,), (THREADS,), (regions_ptr, chunks_ptr, ptr, int(to_wire)),
