@@ -205,7 +205,7 @@ def copy_tables(ctx):
     offsets = [k * size for k in range(n)]
     nbytes = n * size
     table = regions.build(views, offsets)
-    engine.upload(table, torch.device(ctx.device))
+    engine.upload([table], torch.device(ctx.device))
     wire = torch.zeros(nbytes, dtype=torch.uint8, device=ctx.device)
     ref = torch.zeros(nbytes, dtype=torch.uint8, device=ctx.device)
     wires = [ref[o:o + size].view(torch.bfloat16).view(rows, width) for o in offsets]
@@ -235,7 +235,7 @@ def copy_tables(ctx):
     outs = [torch.zeros(rows, cols, dtype=torch.bfloat16, device=ctx.device)[:, :width]
             for _ in range(n)]
     back = regions.build(outs, offsets)
-    engine.upload(back, torch.device(ctx.device))
+    engine.upload([back], torch.device(ctx.device))
     engine.copy(back, wire, False)
     _sync(ctx)
     if not all(torch.equal(o, v) for o, v in zip(outs, views)):

@@ -12,10 +12,9 @@ from __future__ import annotations
 import warnings
 from typing import Optional
 
-import numpy as np
 import torch
 
-from .regions import CHUNK_COLS, REGION_COLS, WIRE_ALIGN, Table
+from .regions import CHUNK_COLS, REGION_COLS, WIRE_ALIGN, Table, upload
 
 THREADS = 256
 
@@ -121,10 +120,8 @@ class CudaCopy:
             return cuda.Stream.from_external(stream)
         return cuda.ExternalStream(stream.cuda_stream, dev)
 
-    def upload(self, table: Table, device: torch.device) -> None:
-        flat = np.concatenate([table.regions.ravel(), table.chunks.ravel()])
-        data = torch.from_numpy(flat).to(device)
-        table.device_data = (data, data.data_ptr(), data.data_ptr() + table.regions.size * 8)
+    def upload(self, tables: list, device: torch.device) -> None:
+        upload(tables, device)
 
     def copy(self, table: Table, wire: torch.Tensor, to_wire: bool) -> None:
         n = len(table.chunks)

@@ -104,9 +104,10 @@ class Part:
             got.update(qi.scale_held for qi in self.quant if _blocks(qi) and qi.scale_held >= 0)
         return got
 
-    def bind(self, views: Sequence[torch.Tensor], engine=None) -> None:
+    def bind(self, views: Sequence[torch.Tensor], engine=None, upload: bool = True) -> None:
         """Resolve every item's region in `views` (indexed like Program.held) and merge runs.
-        With a copy `engine` (see `regions`), the runs it can copy go on one copy table."""
+        With a copy `engine` (see `regions`), the runs it can copy go on one copy table,
+        uploaded here unless `upload` is False (the caller uploads `table` with others)."""
         regions = [views[h][s] for h, s in zip(self.held, self.slices)]
         # A run: (first item, last item + 1, wire dtype, local region of the whole run, flat).
         runs = []
@@ -139,7 +140,8 @@ class Part:
                                        [self.offsets[runs[k][0]] for k in same])
                 if len(table.covered) > 1:
                     on = {same[c] for c in table.covered}
-                    engine.upload(table, runs[same[0]][3].device)
+                    if upload:
+                        engine.upload([table], runs[same[0]][3].device)
                     self._table, self._engine = table, engine
                     self._loose = [run for k, run in enumerate(runs) if k not in on]
         self._wires = {}
@@ -154,6 +156,11 @@ class Part:
     def n_copies(self) -> int:
         """Copy calls per pack/unpack once bound: one for the copy table, one per run off it."""
         return len(self._loose) + (self._table is not None)
+
+    @property
+    def table(self):
+        """The copy table once bound with an engine (see `regions`), or None."""
+        return self._table
 
     @property
     def bound(self) -> bool:
@@ -367,7 +374,12 @@ class Program:
         if engine == "auto":
             engine = _auto_engine(views)
         for p in dirty:
-            p.bind(views, engine)
+            p.bind(views, engine, upload=False)
+        if engine is not None:
+            tables = [p.table for p in dirty if p.table is not None]
+            if tables:
+                device = next(v.device for v in views if v is not None)
+                engine.upload(tables, device)   # one transfer for all of them
         self._sigs = sigs
         return len(dirty)
 

@@ -119,6 +119,20 @@ def build(regions: Sequence[torch.Tensor], wire_offsets: Sequence[int]) -> Table
                  total, covered)
 
 
+def upload(tables: Sequence[Table], device: torch.device) -> None:
+    """Copy `tables` to `device` in one transfer, into one buffer they share: each table's
+    `device_data` becomes (the buffer, its regions' address, its chunks' address)."""
+    if not tables:
+        return
+    flat = np.concatenate([a.ravel() for t in tables for a in (t.regions, t.chunks)])
+    data = torch.from_numpy(flat).to(device)
+    at = data.data_ptr()
+    for t in tables:
+        chunks_at = at + t.regions.size * 8
+        t.device_data = (data, at, chunks_at)
+        at = chunks_at + t.chunks.size * 8
+
+
 def _row_address(reg: np.ndarray, row: int) -> int:
     n1, n2 = int(reg[4]), int(reg[5])
     i0, rem = divmod(row, n1 * n2)
@@ -131,8 +145,9 @@ class HostCopy:
 
     name = "host"
 
-    def upload(self, table: Table, device: torch.device) -> None:
-        table.device_data = table
+    def upload(self, tables: list, device: torch.device) -> None:
+        for t in tables:
+            t.device_data = t
 
     def copy(self, table: Table, wire: torch.Tensor, to_wire: bool) -> None:
         if wire.data_ptr() % WIRE_ALIGN:

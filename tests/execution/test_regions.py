@@ -79,7 +79,7 @@ def test_host_copy_packs_and_unpacks_like_torch(seed):
     described = [k for k, v in enumerate(views) if v.numel() and regions.rows_of(v) is not None]
     assert table.covered == described
     engine = regions.HostCopy()
-    engine.upload(table, torch.device("cpu"))
+    engine.upload([table], torch.device("cpu"))
     wire = torch.full((nbytes + 32,), 0xAB, dtype=torch.uint8)[:nbytes]
     assert wire.data_ptr() % regions.WIRE_ALIGN == 0
     engine.copy(table, wire, True)
@@ -96,7 +96,7 @@ def test_host_copy_packs_and_unpacks_like_torch(seed):
         outs.append((k, big[tuple(slice(1, 1 + n) for n in v.shape)]))
     if outs:
         back = regions.build([o for _, o in outs], [offsets[k] for k, _ in outs])
-        engine.upload(back, torch.device("cpu"))
+        engine.upload([back], torch.device("cpu"))
         engine.copy(back, wire, False)
         for k, o in outs:
             assert torch.equal(o, views[k])
@@ -113,10 +113,22 @@ def test_chunks_cut_wide_rows_and_group_narrow_ones():
     assert table.regions[0, 9] == 16 and table.regions[1, 9] == 8
 
 
+def test_tables_upload_together_each_at_its_own_addresses():
+    tables = [regions.build(*_views(seed)[:2]) for seed in range(5)]
+    regions.upload(tables, torch.device("cpu"))
+    buffer = tables[0].device_data[0]
+    for t in tables:
+        data, reg_at, chunks_at = t.device_data
+        assert data is buffer
+        for at, want in ((reg_at, t.regions), (chunks_at, t.chunks)):
+            got = np.ctypeslib.as_array((ctypes.c_int64 * want.size).from_address(at))
+            assert np.array_equal(got.reshape(want.shape), want)
+
+
 def test_unaligned_wire_is_refused():
     table = regions.build([torch.zeros(8)], [0])
     engine = regions.HostCopy()
-    engine.upload(table, torch.device("cpu"))
+    engine.upload([table], torch.device("cpu"))
     with pytest.raises(ValueError, match="aligned"):
         engine.copy(table, torch.zeros(64, dtype=torch.uint8)[1:33], True)
 
@@ -168,7 +180,7 @@ def test_cuda_kernel_packs_and_unpacks_like_torch(seed):
     views, offsets, nbytes = _views(seed, "cuda")
     table = regions.build(views, offsets)
     engine = cuda_copy.engine()
-    engine.upload(table, torch.device("cuda"))
+    engine.upload([table], torch.device("cuda"))
     wire = torch.full((nbytes,), 0xAB, dtype=torch.uint8, device="cuda")
     engine.copy(table, wire, True)
     torch.cuda.synchronize()
@@ -180,7 +192,7 @@ def test_cuda_kernel_packs_and_unpacks_like_torch(seed):
             for k in described if 0 not in views[k].stride()]
     if outs:
         back = regions.build([o for _, o in outs], [offsets[k] for k, _ in outs])
-        engine.upload(back, torch.device("cuda"))
+        engine.upload([back], torch.device("cuda"))
         engine.copy(back, wire, False)
         torch.cuda.synchronize()
         for k, o in outs:
