@@ -1,10 +1,11 @@
 """One CUDA kernel launch per copy table (see `regions`): a bucket's regions packed or
-unpacked together, on the caller's current torch stream (so it is ordered with the NCCL
-operations and the ring handshakes around it, as `torch.Tensor.copy_` would be).
+unpacked together, or a local copy's pairs of regions, on the caller's current torch stream
+(so it is ordered with the NCCL operations and the ring handshakes around it, as
+`torch.Tensor.copy_` would be).
 
 Each block of 256 threads takes one chunk of the table; thread k of a chunk of `n_rows` rows
-and `n_units` units per row copies unit `k % n_units` of row `k // n_units`, stepping by the
-block size, `vec` bytes at a time. Built with cupy (the `gpu` extra); `available()` says
+and `n_units` units per row copies unit `k % n_units` of row `k // n_units` between the two
+sides of its entry, stepping by the block size, `vec` bytes at a time. Built with cupy (the `gpu` extra); `available()` says
 whether it can run here.
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from .regions import CHUNK_COLS, REGION_COLS, WIRE_ALIGN, Table, upload
+from .regions import CHUNK_COLS, REGION_COLS, Table, upload, wire_base
 
 THREADS = 256
 
@@ -23,10 +24,9 @@ SOURCE = r"""
 #define CHUNK_COLS %(chunk_cols)d
 
 template <typename V>
-__device__ void copy_chunk(const long long* r, const long long* c, long long wire, bool to_wire) {
-    const long long upr = r[2], n1 = r[4], n2 = r[5];
-    const long long s0 = r[6], s1 = r[7], s2 = r[8];
-    const bool flat = r[3] * n1 == 1;          // at most one outer dim: row i at i * s2
+__device__ void copy_chunk(const long long* r, const long long* c, long long wire, bool a_to_b) {
+    const long long n1 = r[4], n2 = r[5];
+    const bool flat = r[3] * n1 == 1;          // at most one outer dim: row i at i * stride
     const long long row0 = c[1], u0 = c[3];
     const int n_units = (int) c[4];
     const int total = (int) c[2] * n_units;
@@ -34,35 +34,38 @@ __device__ void copy_chunk(const long long* r, const long long* c, long long wir
         const int rl = k / n_units;
         const long long col = u0 + (k - rl * n_units);
         const long long row = row0 + rl;
-        long long off;
+        long long off_a, off_b;
         if (flat) {
-            off = row * s2;
+            off_a = row * r[8];
+            off_b = row * r[11];
         } else {
             const long long i0 = row / (n1 * n2);
             const long long rem = row - i0 * n1 * n2;
             const long long i1 = rem / n2;
-            off = i0 * s0 + i1 * s1 + (rem - i1 * n2) * s2;
+            const long long i2 = rem - i1 * n2;
+            off_a = i0 * r[6] + i1 * r[7] + i2 * r[8];
+            off_b = i0 * r[9] + i1 * r[10] + i2 * r[11];
         }
-        V* a = (V*) (r[0] + off) + col;
-        V* w = (V*) (wire + r[1]) + row * upr + col;
-        if (to_wire) {
-            *w = *a;
+        V* a = (V*) (r[0] + off_a) + col;
+        V* b = (V*) (wire + r[1] + off_b) + col;
+        if (a_to_b) {
+            *b = *a;
         } else {
-            *a = *w;
+            *a = *b;
         }
     }
 }
 
 extern "C" __global__ void copy_table(const long long* regions, const long long* chunks,
-                                      long long wire, long long to_wire) {
+                                      long long wire, long long a_to_b) {
     const long long* c = chunks + CHUNK_COLS * (long long) blockIdx.x;
     const long long* r = regions + REGION_COLS * c[0];
-    switch (r[9]) {
-        case 16: copy_chunk<uint4>(r, c, wire, to_wire); break;
-        case 8: copy_chunk<unsigned long long>(r, c, wire, to_wire); break;
-        case 4: copy_chunk<unsigned int>(r, c, wire, to_wire); break;
-        case 2: copy_chunk<unsigned short>(r, c, wire, to_wire); break;
-        default: copy_chunk<unsigned char>(r, c, wire, to_wire); break;
+    switch (r[12]) {
+        case 16: copy_chunk<uint4>(r, c, wire, a_to_b); break;
+        case 8: copy_chunk<unsigned long long>(r, c, wire, a_to_b); break;
+        case 4: copy_chunk<unsigned int>(r, c, wire, a_to_b); break;
+        case 2: copy_chunk<unsigned short>(r, c, wire, a_to_b); break;
+        default: copy_chunk<unsigned char>(r, c, wire, a_to_b); break;
     }
 }
 """ % {"region_cols": REGION_COLS, "chunk_cols": CHUNK_COLS}
@@ -123,14 +126,14 @@ class CudaCopy:
     def upload(self, tables: list, device: torch.device) -> None:
         upload(tables, device)
 
-    def copy(self, table: Table, wire: torch.Tensor, to_wire: bool) -> None:
+    def copy(self, table: Table, wire: Optional[torch.Tensor], to_wire: bool) -> None:
+        """Side A to side B when `to_wire`, else B to A (see `regions.HostCopy.copy`)."""
         n = len(table.chunks)
         if not n:
             return
-        ptr = wire.data_ptr()
-        if ptr % WIRE_ALIGN:
-            raise ValueError(f"bucket at {ptr:#x} is not {WIRE_ALIGN}-byte aligned")
-        dev = wire.device.index if wire.device.index is not None else torch.cuda.current_device()
+        ptr = wire_base(table, wire)
+        data = table.device_data[0]
+        dev = data.device.index if data.device.index is not None else torch.cuda.current_device()
         current = torch.cuda.current_stream(dev)
         stream = self._streams.get((dev, current.cuda_stream))
         if stream is None:

@@ -17,8 +17,11 @@ At run time a `Part` is bound to the process's shard views: region views are bui
 kept while the shard's storage stays the same (same data pointer, shape, strides and dtype),
 and rebuilt only for the parts whose shards changed (a trainer that rebinds `param.data` is
 seen at the next refit). Adjacent contiguous regions of one storage are merged into one copy.
-Packing and unpacking copy all regions of a part with one `torch._foreach_copy_` call per
-dtype run, against wire views that are cached per staging buffer.
+Packing and unpacking copy all regions of a part with one `torch._foreach_copy_` call,
+against wire views that are cached per staging buffer. On CUDA (with cupy) the regions a copy
+table can describe (see `regions`) are copied by one kernel launch per part instead, and a
+local copy's pairs of regions likewise (`Part.pair_with`); the tables are built at bind and
+uploaded together.
 
 Items of a block-FP8 tensor (see `quant`) are blocks, not elements: the sender quantises its
 source region into the item's wire bytes (scales, then FP8 elements), a destination copies
@@ -66,7 +69,7 @@ class Part:
 
     __slots__ = ("held", "slices", "shapes", "numels", "wire", "offsets", "nbytes", "item_bytes",
                  "quant", "_regions", "_runs", "_loose", "_table", "_engine", "_wires", "_msgs",
-                 "_scales")
+                 "_scales", "_pair")
 
     def __init__(self, held, slices, shapes, numels, wire, offsets, item_bytes, nbytes,
                  quant=None):
@@ -85,6 +88,7 @@ class Part:
         self._loose = None            # the runs not on the copy table (copied with foreach)
         self._table = None            # copy table of the other runs (see regions), or None
         self._engine = None           # what runs the table (regions.HostCopy, cuda_copy)
+        self._pair = None             # local copies into this part: (table, engine, the rest)
         self._wires: dict = {}        # staging buffer data pointer -> wire views of loose runs
         self._msgs = None             # per item: bytes of the region itself, or None (staged)
 
@@ -94,7 +98,7 @@ class Part:
     # ------------------------------------------------------------------ binding
     def unbind(self) -> None:
         self._regions = self._runs = self._msgs = self._scales = None
-        self._loose = self._table = self._engine = None
+        self._loose = self._table = self._engine = self._pair = None
         self._wires = {}
 
     def holds(self) -> set:
@@ -132,7 +136,7 @@ class Part:
             runs.append((i, i + 1, self.wire[i], r.reshape(-1) if flat else r, flat))
         self._regions = regions
         self._runs = runs
-        self._loose, self._table, self._engine = runs, None, None
+        self._loose, self._table, self._engine, self._pair = runs, None, None, None
         if engine is not None:
             same = [k for k, run in enumerate(runs) if run[3].dtype == run[2]]
             if len(same) > 1:
@@ -257,15 +261,44 @@ class Part:
         if qi is not None and qi is not UNALIGNED:
             qi.finisher.add(self.numels[i])
 
-    def copy_from(self, other: "Part") -> None:
-        """Local copy: this part's regions take `other`'s (same items, same order)."""
+    def pair_with(self, other: "Part", engine) -> Optional[_regions.Table]:
+        """Put the local copies from `other` (same items, same order) whose dtypes match on one
+        copy table run by `engine` (both parts bound); returns it, not uploaded, or None."""
+        self._pair = None
+        plain = [i for i in self._plain() if self._regions[i].dtype == other._regions[i].dtype]
+        if engine is None or len(plain) < 2:
+            return None
+        table = _regions.build_pairs([self._regions[i] for i in plain],
+                                     [other._regions[i] for i in plain])
+        if len(table.covered) < 2:
+            return None
+        on = {plain[c] for c in table.covered}
+        rest = [i for i in self._plain() if i not in on]
+        self._pair = (table, engine, rest)
+        return table
+
+    def _plain(self) -> list:
+        """Items copied as elements (not FP8 blocks)."""
         if not self.quant:
+            return list(range(len(self.held)))
+        return [i for i, qi in enumerate(self.quant) if not _blocks(qi)]
+
+    def copy_from(self, other: "Part") -> None:
+        """Local copy: this part's regions take `other`'s (same items, same order): the copy
+        table (see `pair_with`) in one launch, the rest with one foreach call."""
+        if self._pair is not None:
+            table, engine, plain = self._pair
+            engine.copy(table, None, False)
+        elif not self.quant:
             torch._foreach_copy_(self._regions, other._regions)
             return
-        plain = [i for i, qi in enumerate(self.quant) if not _blocks(qi)]
+        else:
+            plain = self._plain()
         if plain:
             torch._foreach_copy_([self._regions[i] for i in plain],
                                  [other._regions[i] for i in plain])
+        if not self.quant:
+            return
         for i, qi in enumerate(self.quant):
             if _blocks(qi):
                 _quant.copy(other.quant[i], other._regions[i], other._scales[i],
@@ -375,11 +408,16 @@ class Program:
             engine = _auto_engine(views)
         for p in dirty:
             p.bind(views, engine, upload=False)
-        if engine is not None:
-            tables = [p.table for p in dirty if p.table is not None]
-            if tables:
-                device = next(v.device for v in views if v is not None)
-                engine.upload(tables, device)   # one transfer for all of them
+        tables = [p.table for p in dirty if p.table is not None]
+        changed = {id(p) for p in dirty}
+        for st in self.steps:
+            if st.kind == COPY and (id(st.send) in changed or id(st.recv) in changed):
+                table = st.recv.pair_with(st.send, engine)
+                if table is not None:
+                    tables.append(table)
+        if tables:
+            device = next(v.device for v in views if v is not None)
+            engine.upload(tables, device)       # one transfer for all of them
         self._sigs = sigs
         return len(dirty)
 

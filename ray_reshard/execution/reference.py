@@ -8,7 +8,7 @@ handed from sender to receiver in the global key order.
 from __future__ import annotations
 
 import heapq
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -21,16 +21,21 @@ from ..layout.quant import WIDE, scale_view
 
 def simulate_refit(plan: Plan, src_storage: Sequence[Mapping[str, torch.Tensor]],
                    dst_storage: Sequence[Mapping[str, torch.Tensor]],
-                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, engine="auto") -> dict:
+                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, engine="auto",
+                   processes: Optional[Sequence[Sequence[Endpoint]]] = None) -> dict:
     """Execute `plan` writing into `dst_storage` in place; returns counts of bytes per path.
-    `engine`: how parts copy their regions (see `Program.bind`)."""
+    `engine`: how parts copy their regions (see `Program.bind`). `processes`: the endpoints
+    each process holds (default: every endpoint its own process); a process holding both ends
+    of a transfer copies it locally."""
     storages = {"src": src_storage, "dst": dst_storage}
     topo = plan.topology
-    eps = [Endpoint("src", r) for r in range(topo.n_src)] + [
-        Endpoint("dst", r) for r in range(topo.n_dst)]
+    if processes is None:
+        processes = [[Endpoint("src", r)] for r in range(topo.n_src)] + [
+            [Endpoint("dst", r)] for r in range(topo.n_dst)]
+    proc_of = {ep: i for i, eps in enumerate(processes) for ep in eps}
     programs = []
-    for ep in eps:
-        prog = compile_program(plan, [ep], bucket_bytes)
+    for eps in processes:
+        prog = compile_program(plan, eps, bucket_bytes, proc_of)
         views = {k: _view(plan, k, storages[k[0]][k[1]]) for k in prog.held
                  if len(k) == 3 or k[3] != WIDE}
         prog.bind(views, engine=engine)

@@ -1,28 +1,32 @@
-"""Copy tables: all the regions of a packed bucket, copied in one launch.
+"""Copy tables: all the regions of a packed bucket, or of a local copy, copied in one launch.
 
 A packed bucket is its items back to back (see `program`'s wire format); packing copies each
-item's region (a strided view of a local shard) into the bucket, unpacking copies back. On a
-GPU a `copy_` per region is a kernel launch per region, thousands per bucket at real-model
-scale, and the host's time launching them exceeds the transfer. A copy table describes every
-region of a part at once, so one launch (`cuda_copy`) copies them all whatever their count.
+item's region (a strided view of a local shard) into the bucket, unpacking copies back, and a
+local copy (both ends in one process) copies each item's source region into its destination
+region. On a GPU a `copy_` per region is a kernel launch per region, thousands per bucket at
+real-model scale, and the host's time launching them exceeds the transfer. A copy table
+describes every region of a part at once, so one launch (`cuda_copy`) copies them all
+whatever their count.
 
-Rows. A region is cut into rows of contiguous bytes: its dims are coalesced (a dim whose
-stride spans the dims inside it merges with them); the innermost dense dims make one row, and
-at most three outer dims repeat it (a region with more, or an empty one, is left out of the
-table; the caller copies it, and any region whose dtype differs from the wire's: a
-conversion, not a copy). The region's rows land back to back
-in the bucket from its wire offset, row-major, as the wire format says.
+Entries. Each entry copies between two sides of the same shape: side A (a region) and side B
+(the item's bytes in the bucket, at its wire offset, row-major; or, in a local copy, the source
+region). Their dims are coalesced together (a dim merges with the one inside it where its
+stride spans that dim on both sides); the innermost dims dense on both sides make a row of
+contiguous bytes, and at most three outer dims repeat it. An entry needing more, an empty one,
+and (the caller's rule) one whose two sides differ in dtype (a conversion, not a copy) stay out
+of the table; the caller copies those.
 
-Units. Rows are copied in units of `vec` bytes: the largest of 16, 8, 4, 2, 1 dividing the
-region's address, its wire offset, its row length and its outer strides (a bucket's base is
-16-aligned, which `copy` checks).
+Units. Rows are copied in units of `vec` bytes: the largest of 16, 8, 4, 2, 1 dividing both
+sides' addresses (a wire offset counts as one: a bucket's base is 16-aligned, which `copy`
+checks), the row length and every outer stride.
 
 Table, int64:
-* `regions`, one row per region: address, wire offset, units per row, outer sizes (3, the
-  outermost first, padded with 1), outer strides in bytes (3), vec;
-* `chunks`, one row per launch block: region, first row, number of rows, first unit in the
-  row, units per row taken (a wide row is cut into several chunks, narrow rows share one), so
-  every chunk moves about `CHUNK_BYTES`.
+* `regions`, one row per entry: side A's address, side B's address or wire offset, units per
+  row, outer sizes (3, the outermost first, padded with 1), side A's outer byte strides (3),
+  side B's (3), vec;
+* `chunks`, one row per launch block: entry, first row, number of rows, first unit in the row,
+  units per row taken (a wide row is cut into several chunks, narrow rows share one), so every
+  chunk moves about `CHUNK_BYTES`.
 
 `HostCopy` runs a table with `ctypes.memmove` per row piece: the reference the tests check the
 kernel's indexing against, on CPU tensors.
@@ -40,42 +44,64 @@ import torch
 CHUNK_BYTES = 32 << 10
 WIRE_ALIGN = 16
 MAX_OUTER = 3
-REGION_COLS = 10
+REGION_COLS = 13
 CHUNK_COLS = 5
 
 
-def rows_of(t: torch.Tensor) -> Optional[tuple[int, list[int], list[int]]]:
-    """(row bytes, outer sizes, outer byte strides; the outermost first) of a strided view, or
-    None when it needs more than `MAX_OUTER` outer dims."""
-    es = t.element_size()
-    merged: list = []                      # (size, byte stride), innermost first
-    for n, st in zip(reversed(t.shape), reversed(t.stride())):
+def joint_rows(shape: Sequence[int], itemsize: int, strides_a: Sequence[int],
+               strides_b: Sequence[int]) -> Optional[tuple[int, list, list, list]]:
+    """(row bytes, outer sizes, side A's and side B's outer byte strides; the outermost first)
+    of two strided layouts (element strides) of one shape, or None when they need more than
+    `MAX_OUTER` outer dims."""
+    merged: list = []                      # [size, stride A, stride B] in bytes, innermost first
+    for n, sa, sb in zip(reversed(shape), reversed(strides_a), reversed(strides_b)):
         if n == 1:
             continue
-        if merged and merged[-1][1] * merged[-1][0] == st * es:
-            merged[-1] = (merged[-1][0] * n, merged[-1][1])
-        else:
-            merged.append((n, st * es))
-    if merged and merged[0][1] == es:
-        row = merged[0][0] * es
+        sa, sb = sa * itemsize, sb * itemsize
+        if merged:
+            m = merged[-1]
+            if m[1] * m[0] == sa and m[2] * m[0] == sb:
+                m[0] *= n
+                continue
+        merged.append([n, sa, sb])
+    if merged and merged[0][1] == itemsize and merged[0][2] == itemsize:
+        row = merged[0][0] * itemsize
         outer = merged[1:]
     else:
-        row = es
+        row = itemsize
         outer = merged
     if len(outer) > MAX_OUTER:
         return None
     outer = outer[::-1]
-    return row, [n for n, _ in outer], [s for _, s in outer]
+    return row, [m[0] for m in outer], [m[1] for m in outer], [m[2] for m in outer]
+
+
+def dense_strides(shape: Sequence[int]) -> list:
+    """Element strides of a row-major (contiguous) layout of `shape`."""
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return out[::-1]
+
+
+def rows_of(t: torch.Tensor) -> Optional[tuple[int, list[int], list[int]]]:
+    """(row bytes, outer sizes, outer byte strides; the outermost first) of a strided view
+    copied to or from its row-major bytes, or None when it needs more than `MAX_OUTER` outer
+    dims."""
+    got = joint_rows(t.shape, t.element_size(), t.stride(), dense_strides(t.shape))
+    return None if got is None else got[:3]
 
 
 @dataclass
 class Table:
     """A part's copy table (see the module docstring) and what it covers."""
 
-    regions: np.ndarray        # int64 (n_regions, REGION_COLS)
+    regions: np.ndarray        # int64 (n_entries, REGION_COLS)
     chunks: np.ndarray         # int64 (n_chunks, CHUNK_COLS)
     nbytes: int                # bytes the table copies
-    covered: list              # indices (in the regions given to `build`) the table copies
+    covered: list              # indices (in what was given to `build`) the table copies
+    wire: bool = True          # side B is a bucket (offsets), else source regions (addresses)
     device_data: object = None  # the engine's copy of the table (on the device)
 
     @property
@@ -84,26 +110,40 @@ class Table:
 
 
 def build(regions: Sequence[torch.Tensor], wire_offsets: Sequence[int]) -> Table:
-    """The copy table of the `regions` it can describe (see `rows_of`), each laid out row-major
-    in the bucket from its wire offset; `Table.covered` lists their indices."""
-    reg = np.zeros((len(regions), REGION_COLS), dtype=np.int64)
+    """The copy table between `regions` and a bucket holding each row-major at its wire offset
+    (side B), for the regions it can describe; `Table.covered` lists their indices."""
+    return _build([(r.data_ptr(), off, r.shape, r.element_size(), r.stride(),
+                    dense_strides(r.shape), r.numel())
+                   for r, off in zip(regions, wire_offsets)], True)
+
+
+def build_pairs(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> Table:
+    """The copy table of local copies `src[i]` -> `dst[i]` (same shapes; side A the
+    destinations), for the pairs it can describe; `Table.covered` lists their indices."""
+    return _build([(d.data_ptr(), s.data_ptr(), d.shape, d.element_size(), d.stride(),
+                    s.stride(), d.numel()) for d, s in zip(dst, src)], False)
+
+
+def _build(entries: list, wire: bool) -> Table:
+    reg = np.zeros((len(entries), REGION_COLS), dtype=np.int64)
     chunks, covered = [], []
     total = 0
-    for j, (r, off) in enumerate(zip(regions, wire_offsets)):
-        got = rows_of(r) if r.numel() else None
+    for j, (addr_a, addr_b, shape, es, st_a, st_b, numel) in enumerate(entries):
+        got = joint_rows(shape, es, st_a, st_b) if numel else None
         if got is None:
             continue
         k = len(covered)
         covered.append(j)
-        row, sizes, strides = got
-        addr = r.data_ptr()
+        row, sizes, outer_a, outer_b = got
         vec = WIRE_ALIGN
-        for x in (addr, off, row, *strides):
+        for x in (addr_a, addr_b, row, *outer_a, *outer_b):
             vec = math.gcd(vec, x) if x else vec
-        sizes = [1] * (MAX_OUTER - len(sizes)) + sizes
-        strides = [0] * (MAX_OUTER - len(strides)) + strides
+        pad = MAX_OUTER - len(sizes)
+        sizes = [1] * pad + sizes
+        outer_a = [0] * pad + outer_a
+        outer_b = [0] * pad + outer_b
         upr = row // vec
-        reg[k] = (addr, off, upr, *sizes, *strides, vec)
+        reg[k] = (addr_a, addr_b, upr, *sizes, *outer_a, *outer_b, vec)
         n_rows = sizes[0] * sizes[1] * sizes[2]
         total += n_rows * row
         per_chunk = max(1, CHUNK_BYTES // vec)
@@ -116,7 +156,7 @@ def build(regions: Sequence[torch.Tensor], wire_offsets: Sequence[int]) -> Table
             for i in range(0, n_rows, step):
                 chunks.append((k, i, min(step, n_rows - i), 0, upr))
     return Table(reg[:len(covered)], np.array(chunks, dtype=np.int64).reshape(-1, CHUNK_COLS),
-                 total, covered)
+                 total, covered, wire)
 
 
 def upload(tables: Sequence[Table], device: torch.device) -> None:
@@ -133,11 +173,22 @@ def upload(tables: Sequence[Table], device: torch.device) -> None:
         at = chunks_at + t.chunks.size * 8
 
 
-def _row_address(reg: np.ndarray, row: int) -> int:
+def wire_base(table: Table, wire: Optional[torch.Tensor]) -> int:
+    """What side B's addresses are relative to: the bucket's base (checked aligned), or 0."""
+    if not table.wire:
+        return 0
+    base = wire.data_ptr()
+    if base % WIRE_ALIGN:
+        raise ValueError(f"bucket at {base:#x} is not {WIRE_ALIGN}-byte aligned")
+    return base
+
+
+def _row_offsets(reg: np.ndarray, row: int) -> tuple[int, int]:
     n1, n2 = int(reg[4]), int(reg[5])
     i0, rem = divmod(row, n1 * n2)
     i1, i2 = divmod(rem, n2)
-    return int(reg[0]) + i0 * int(reg[6]) + i1 * int(reg[7]) + i2 * int(reg[8])
+    return (i0 * int(reg[6]) + i1 * int(reg[7]) + i2 * int(reg[8]),
+            i0 * int(reg[9]) + i1 * int(reg[10]) + i2 * int(reg[11]))
 
 
 class HostCopy:
@@ -149,17 +200,18 @@ class HostCopy:
         for t in tables:
             t.device_data = t
 
-    def copy(self, table: Table, wire: torch.Tensor, to_wire: bool) -> None:
-        if wire.data_ptr() % WIRE_ALIGN:
-            raise ValueError(f"bucket at {wire.data_ptr():#x} is not {WIRE_ALIGN}-byte aligned")
-        base = wire.data_ptr()
+    def copy(self, table: Table, wire: Optional[torch.Tensor], to_wire: bool) -> None:
+        """Side A to side B when `to_wire`, else B to A; `wire` is the bucket (None for a
+        table of local copies, which always copies its sources, side B, into side A)."""
+        base = wire_base(table, wire)
         for k, row0, n_rows, u0, n_units in table.chunks.tolist():
             reg = table.regions[k]
-            upr, vec = int(reg[2]), int(reg[9])
+            vec = int(reg[12])
+            a0, b0 = int(reg[0]), base + int(reg[1])
             for i in range(row0, row0 + n_rows):
-                a = _row_address(reg, i) + u0 * vec
-                w = base + int(reg[1]) + (i * upr + u0) * vec
+                oa, ob = _row_offsets(reg, i)
+                a, b = a0 + oa + u0 * vec, b0 + ob + u0 * vec
                 if to_wire:
-                    ctypes.memmove(w, a, n_units * vec)
+                    ctypes.memmove(b, a, n_units * vec)
                 else:
-                    ctypes.memmove(a, w, n_units * vec)
+                    ctypes.memmove(a, b, n_units * vec)
