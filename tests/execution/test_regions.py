@@ -376,3 +376,28 @@ def test_cuda_kernel_copies_locally_like_torch():
     engine.copy(table, None, False)
     torch.cuda.synchronize()
     assert all(torch.equal(d, s) for d, s in zip(dst, src))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bucket", [1 << 20, 256])
+def test_cuda_refits_with_copy_tables_are_bit_exact(bucket):
+    """Whole refits on the GPU (the default engine: copy tables), colocated processes included."""
+    from ray_reshard.execution import cuda_copy
+    from ray_reshard.planning.planner import Endpoint
+    assert cuda_copy.available(), cuda_copy.why_not()
+    specs, _ = _layouts_case()
+    p = plan(specs, src_domains=["a", "a", "b", "b"], dst_domains=["a", "a", "b"],
+             src_devices=[0, 1, 2, 3], dst_devices=[0, 1, 2])
+    fulls = {n: torch.randn(s.shape, device="cuda").to(s.src_dtype or s.dtype)
+             for n, s in specs.items()}
+    for processes in (None, [[Endpoint("src", r), Endpoint("dst", r)] for r in range(3)]
+                      + [[Endpoint("src", 3)]]):
+        src = [{n: shard_tensor(fulls[n], s.src, r).clone() for n, s in specs.items()}
+               for r in range(4)]
+        dst = [{n: torch.zeros(s.dst.local_shape(r, s.shape), dtype=s.dtype, device="cuda")
+                for n, s in specs.items()} for r in range(3)]
+        simulate_refit(p, src, dst, bucket_bytes=bucket, processes=processes)
+        torch.cuda.synchronize()
+        for r in range(3):
+            for n, s in specs.items():
+                assert torch.equal(dst[r][n], shard_tensor(fulls[n].to(s.dtype), s.dst, r))
