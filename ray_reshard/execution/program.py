@@ -69,7 +69,7 @@ class Part:
 
     __slots__ = ("held", "slices", "shapes", "numels", "wire", "offsets", "nbytes", "item_bytes",
                  "quant", "_regions", "_runs", "_loose", "_table", "_engine", "_wires", "_msgs",
-                 "_scales", "_pair")
+                 "_scales", "_pair", "_table_dev")
 
     def __init__(self, held, slices, shapes, numels, wire, offsets, item_bytes, nbytes,
                  quant=None):
@@ -89,6 +89,7 @@ class Part:
         self._table = None            # copy table of the other runs (see regions), or None
         self._engine = None           # what runs the table (regions.HostCopy, cuda_copy)
         self._pair = None             # local copies into this part: (table, engine, the rest)
+        self._table_dev = -1          # the device the regions (and the table) are on
         self._wires: dict = {}        # staging buffer data pointer -> wire views of loose runs
         self._msgs = None             # per item: bytes of the region itself, or None (staged)
 
@@ -147,6 +148,7 @@ class Part:
                     if upload:
                         engine.upload([table], runs[same[0]][3].device)
                     self._table, self._engine = table, engine
+                    self._table_dev = runs[same[0]][3].get_device()
                     self._loose = [run for k, run in enumerate(runs) if k not in on]
         self._wires = {}
         self._msgs = None
@@ -193,10 +195,11 @@ class Part:
 
     def _copy(self, buf: torch.Tensor, cache: bool, to_wire: bool) -> None:
         """Copy the runs between the local shards and `buf`: the copy table in one launch,
-        the rest with one foreach call (all of them so when `buf` is not aligned for it)."""
+        the rest with one foreach call (all of them so when `buf` is not aligned for the table,
+        or is on another device: a ring slot on a peer GPU, which torch copies to)."""
         runs = self._loose
         if self._table is not None:
-            if buf.data_ptr() % _regions.WIRE_ALIGN:
+            if buf.data_ptr() % _regions.WIRE_ALIGN or buf.get_device() != self._table_dev:
                 runs, cache = self._runs, False
             else:
                 self._engine.copy(self._table, buf, to_wire)

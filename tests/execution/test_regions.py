@@ -401,3 +401,31 @@ def test_cuda_refits_with_copy_tables_are_bit_exact(bucket):
         for r in range(3):
             for n, s in specs.items():
                 assert torch.equal(dst[r][n], shard_tensor(fulls[n].to(s.dtype), s.dst, r))
+
+
+def test_a_bucket_the_table_cannot_use_is_copied_with_foreach():
+    """A staging view not aligned for the table (or on another device) falls back to foreach
+    for every region, with the same bytes."""
+    from ray_reshard.execution.program import SEND, compile_program
+    from ray_reshard.execution.pack import shard_view
+    from ray_reshard.planning.planner import Endpoint
+    specs, p = _layouts_case()
+    fulls = {n: torch.randn(s.shape).to(s.src_dtype or s.dtype) for n, s in specs.items()}
+    store = {n: shard_tensor(fulls[n], s.src, 0).clone() for n, s in specs.items()}
+
+    class Counting(regions.HostCopy):
+        calls = 0
+
+        def copy(self, table, wire, to_wire):
+            Counting.calls += 1
+            super().copy(table, wire, to_wire)
+
+    prog = compile_program(p, [Endpoint("src", 0)], 1 << 20)
+    prog.bind({k: shard_view(p, *k, store) for k in prog.held}, engine=Counting())
+    step = next(s for s in prog.steps if s.kind == SEND and s.send.table is not None)
+    aligned = torch.zeros(step.nbytes + 16, dtype=torch.uint8)[:step.nbytes]
+    step.send.pack(aligned)
+    assert Counting.calls == 1
+    odd = torch.zeros(step.nbytes + 16, dtype=torch.uint8)[8:step.nbytes + 8]
+    step.send.pack(odd)
+    assert Counting.calls == 1 and torch.equal(odd, aligned)
