@@ -268,8 +268,10 @@ class Part:
         """Put the local copies from `other` (same items, same order) whose dtypes match on one
         copy table run by `engine` (both parts bound); returns it, not uploaded, or None."""
         self._pair = None
+        if engine is None:
+            return None
         plain = [i for i in self._plain() if self._regions[i].dtype == other._regions[i].dtype]
-        if engine is None or len(plain) < 2:
+        if len(plain) < 2:
             return None
         table = _regions.build_pairs([self._regions[i] for i in plain],
                                      [other._regions[i] for i in plain])
