@@ -212,6 +212,22 @@ def test_cli_json(capsys):
     assert out["bound_s"] <= out["predicted_s"] < out["gather_broadcast_s"]
 
 
+def test_cli_cpu_cost_options(capsys):
+    """`--copy-tables off` charges each region on its own (the GPU presets otherwise charge a
+    bucket end one launch); zero CPU costs leave the links."""
+    base = ["--model", "llama70b", "--train", "megatron:tp=8,pp=4", "--infer", "vllm:tp=8,dp=4",
+            "--cluster", "gb200-nvl72", "--json"]
+    out = {}
+    for name, extra in (("tables", []), ("per_item", ["--copy-tables", "off"]),
+                        ("links", ["--step-us", "0", "--tensor-us", "0", "--shard-us", "0"])):
+        assert cli_main(base + extra) == 0
+        out[name] = json.loads(capsys.readouterr().out)
+    assert "copy-table launch" in out["tables"]["cluster_description"]
+    assert "per item" in out["per_item"]["cluster_description"]
+    assert out["links"]["cpu_s"] < out["tables"]["cpu_s"] < out["per_item"]["cpu_s"]
+    assert out["links"]["predicted_s"] <= out["tables"]["predicted_s"]
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--model", "nope", "--train", "megatron:pp=2", "--infer", "vllm:tp=2"], "--model"),
     (["--model", "llama70b", "--train", "fsdp:pp=2", "--infer", "vllm:tp=2"], "--train"),
