@@ -143,33 +143,48 @@ def _layouts_case():
                        dst_devices=[0, 1, 2], src_devices=[0, 3, 4, 5])
 
 
+class CountingCopy(regions.HostCopy):
+    """The host engine, counting the tables it runs (between a bucket and regions, and local)."""
+
+    def __init__(self):
+        self.wire = self.local = 0
+
+    def copy(self, table, wire, to_wire):
+        if wire is None:
+            self.local += 1
+        else:
+            self.wire += 1
+        super().copy(table, wire, to_wire)
+
+
+def _refit_both_ways(p, specs, bucket, processes=None):
+    """The same refit with foreach copies and with copy tables (host engine): the destinations
+    of each, the engine, and the bytes moved per path."""
+    fulls = {n: torch.randn(s.shape).to(s.src_dtype or s.dtype) for n, s in specs.items()}
+    engine = CountingCopy()
+    got = {}
+    for e in (None, engine):
+        src = [{n: shard_tensor(fulls[n], s.src, r).clone() for n, s in specs.items()}
+               for r in range(4)]
+        dst = [{n: torch.zeros(s.dst.local_shape(r, s.shape), dtype=s.dtype)
+                for n, s in specs.items()} for r in range(3)]
+        moved = simulate_refit(p, src, dst, bucket_bytes=bucket, engine=e, processes=processes)
+        got[e is None] = dst
+    for r in range(3):
+        for n, s in specs.items():
+            want = shard_tensor(fulls[n].to(s.dtype), s.dst, r)
+            assert torch.equal(got[True][r][n], want), (n, r)
+            assert torch.equal(got[False][r][n], want), (n, r)
+    return engine, moved
+
+
 @pytest.mark.parametrize("bucket", [1 << 20, 96])
 def test_refit_with_copy_tables_is_bit_exact(bucket):
     """Whole refits with every part's regions on copy tables (run on the host) match the
     foreach path and the truth, small buckets (many parts, items cut across them) included."""
     specs, p = _layouts_case()
-    fulls = {n: torch.randn(s.shape).to(s.src_dtype or s.dtype) for n, s in specs.items()}
-    class Counting(regions.HostCopy):
-        calls = 0
-
-        def copy(self, table, wire, to_wire):
-            Counting.calls += 1
-            super().copy(table, wire, to_wire)
-
-    got = {}
-    for engine in (None, Counting()):
-        src = [{n: shard_tensor(fulls[n], s.src, r).clone() for n, s in specs.items()}
-               for r in range(4)]
-        dst = [{n: torch.zeros(s.dst.local_shape(r, s.shape), dtype=s.dtype)
-                for n, s in specs.items()} for r in range(3)]
-        simulate_refit(p, src, dst, bucket_bytes=bucket, engine=engine)
-        got[engine is None] = dst
-    assert Counting.calls > 0
-    for r in range(3):
-        for n, s in specs.items():
-            want = shard_tensor(fulls[n].to(s.dtype), s.dst, r)
-            assert torch.equal(got[True][r][n], want)
-            assert torch.equal(got[False][r][n], want), (n, r)
+    engine, _ = _refit_both_ways(p, specs, bucket)
+    assert engine.wire > 0
 
 
 @pytest.mark.gpu
@@ -333,29 +348,8 @@ def test_colocated_refit_copies_locally_through_copy_tables():
              src_devices=[0, 1, 2, 3], dst_devices=[0, 1, 2])
     processes = [[Endpoint("src", r), Endpoint("dst", r)] for r in range(3)] + [
         [Endpoint("src", 3)]]
-    fulls = {n: torch.randn(s.shape).to(s.src_dtype or s.dtype) for n, s in specs.items()}
-
-    class Counting(regions.HostCopy):
-        local = 0
-
-        def copy(self, table, wire, to_wire):
-            Counting.local += wire is None
-            super().copy(table, wire, to_wire)
-
-    got = {}
-    for engine in (None, Counting()):
-        src = [{n: shard_tensor(fulls[n], s.src, r).clone() for n, s in specs.items()}
-               for r in range(4)]
-        dst = [{n: torch.zeros(s.dst.local_shape(r, s.shape), dtype=s.dtype)
-                for n, s in specs.items()} for r in range(3)]
-        moved = simulate_refit(p, src, dst, bucket_bytes=256, engine=engine,
-                               processes=processes)
-        got[engine is None] = dst
-    assert moved["local"] > 0 and Counting.local > 0
-    for r in range(3):
-        for n, s in specs.items():
-            want = shard_tensor(fulls[n].to(s.dtype), s.dst, r)
-            assert torch.equal(got[True][r][n], want) and torch.equal(got[False][r][n], want)
+    engine, moved = _refit_both_ways(p, specs, 256, processes)
+    assert moved["local"] > 0 and engine.local > 0
 
 
 @pytest.mark.gpu
@@ -412,20 +406,13 @@ def test_a_bucket_the_table_cannot_use_is_copied_with_foreach():
     specs, p = _layouts_case()
     fulls = {n: torch.randn(s.shape).to(s.src_dtype or s.dtype) for n, s in specs.items()}
     store = {n: shard_tensor(fulls[n], s.src, 0).clone() for n, s in specs.items()}
-
-    class Counting(regions.HostCopy):
-        calls = 0
-
-        def copy(self, table, wire, to_wire):
-            Counting.calls += 1
-            super().copy(table, wire, to_wire)
-
+    engine = CountingCopy()
     prog = compile_program(p, [Endpoint("src", 0)], 1 << 20)
-    prog.bind({k: shard_view(p, *k, store) for k in prog.held}, engine=Counting())
+    prog.bind({k: shard_view(p, *k, store) for k in prog.held}, engine=engine)
     step = next(s for s in prog.steps if s.kind == SEND and s.send.table is not None)
     aligned = torch.zeros(step.nbytes + 16, dtype=torch.uint8)[:step.nbytes]
     step.send.pack(aligned)
-    assert Counting.calls == 1
+    assert engine.wire == 1
     odd = torch.zeros(step.nbytes + 16, dtype=torch.uint8)[8:step.nbytes + 8]
     step.send.pack(odd)
-    assert Counting.calls == 1 and torch.equal(odd, aligned)
+    assert engine.wire == 1 and torch.equal(odd, aligned)
