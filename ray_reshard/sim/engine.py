@@ -63,6 +63,7 @@ destination rank holding a part, tensor after tensor.
 """
 from __future__ import annotations
 
+import bisect
 import math
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
@@ -362,50 +363,68 @@ def simulate(plan: Plan, cluster: Cluster, bucket_bytes: int = DEFAULT_BUCKET_BY
 
 
 def _ranks_of(plan: Plan):
-    """Per tensor, the GPUs (sources first, then destinations) that send or receive it."""
+    """Per tensor, the GPUs (sources first, then destinations) that send or receive it, sorted
+    (an array), and how many of them are sources."""
     n_src, _ = _gpu(plan)
-    ranks_of: dict[int, list] = {}
+    ranks_of: dict[int, tuple] = {}
     for tp in plan.tensor_plans:
-        rs = ranks_of.get(id(tp))
-        if rs is None:
+        got = ranks_of.get(id(tp))
+        if got is None:
             seen = set()
             for m in tp.moves:
                 seen.add(m.src.rank if m.src.side == "src" else n_src + m.src.rank)
                 seen.add(n_src + m.dst)
-            rs = ranks_of[id(tp)] = sorted(seen)
-        yield rs
+            rs = sorted(seen)
+            got = ranks_of[id(tp)] = (np.array(rs, dtype=np.int64), bisect.bisect_left(rs, n_src))
+        yield got
+
+
+def checks_per_process(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+    """Per GPU (sources first, then destinations): how many local tensors its shards live in
+    (a spec's slots name them; a shard without a slot is a local tensor of its own), and how
+    many shards it sends or receives. A refit checks the first and copies a table of the
+    second."""
+    n_src, world = _gpu(plan)
+    shards = np.zeros(world, dtype=np.int64)
+    own = np.zeros(world, dtype=np.int64)
+    named: dict = {}                       # storage name -> which GPUs hold it
+    for ti, (rs, cut) in enumerate(_ranks_of(plan)):
+        shards[rs] += 1
+        spec = plan.specs[ti]
+        for gids, slots, base in ((rs[:cut], spec.src_slots, 0), (rs[cut:], spec.dst_slots, n_src)):
+            if not slots:
+                own[gids] += 1
+                continue
+            uniform, ranks = slots.uniform, slots.ranks
+            if (uniform is not None and len(gids) and ranks[-1] - ranks[0] == len(ranks) - 1
+                    and ranks[0] + base <= gids[0] and gids[-1] <= ranks[-1] + base):
+                # the usual case: one fused tensor on a run of ranks holding all of these
+                mask = named.get(uniform.storage)
+                if mask is None:
+                    mask = named[uniform.storage] = np.zeros(world, dtype=bool)
+                mask[gids] = True
+                continue
+            for g in gids.tolist():
+                slot = slots.get(g - base)
+                if slot is None:
+                    own[g] += 1
+                    continue
+                mask = named.get(slot.storage)
+                if mask is None:
+                    mask = named[slot.storage] = np.zeros(world, dtype=bool)
+                mask[g] = True
+    local = own + (np.sum(list(named.values()), axis=0, dtype=np.int64) if named else 0)
+    return local, shards
 
 
 def tensors_per_process(plan: Plan) -> np.ndarray:
     """How many tensors (shards) each GPU (sources first, then destinations) sends or receives."""
-    _, world = _gpu(plan)
-    counts = np.zeros(world, dtype=np.int64)
-    for rs in _ranks_of(plan):
-        counts[rs] += 1
-    return counts
+    return checks_per_process(plan)[1]
 
 
 def storages_per_process(plan: Plan) -> np.ndarray:
-    """How many local tensors those shards live in, per GPU (a spec's slots name them; a shard
-    without a slot is a local tensor of its own)."""
-    n_src, world = _gpu(plan)
-    own = np.zeros(world, dtype=np.int64)
-    named: list = [set() for _ in range(world)]
-    for ti, rs in enumerate(_ranks_of(plan)):
-        spec = plan.specs[ti]
-        if not spec.src_slots and not spec.dst_slots:
-            own[rs] += 1
-            continue
-        name = plan.names[ti]
-        for g in rs:
-            side, rank = ("src", g) if g < n_src else ("dst", g - n_src)
-            slots = spec.src_slots if side == "src" else spec.dst_slots
-            slot = slots.get(rank) if slots else None
-            if slot is None:
-                own[g] += 1
-            else:
-                named[g].add(slot.storage)
-    return own + np.array([len(x) for x in named], dtype=np.int64)
+    """How many local tensors those shards live in, per GPU (see `checks_per_process`)."""
+    return checks_per_process(plan)[0]
 
 
 def _link_names(n_src: int, world: int) -> list[str]:
@@ -443,9 +462,8 @@ def replay(plan: Plan, msgs: Messages, cluster: Cluster, bucket_bytes: int,
     dom = msgs.path == PATH_CODE[DOMAIN]
     R = int(msgs.round.max()) + 1 if len(msgs.round) else 0
     send_work, recv_work, send_copy = _work(msgs, cluster)
-    prep = storages_per_process(plan) * cluster.tensor_s
-    if cluster.shard_s:
-        prep = prep + tensors_per_process(plan) * cluster.shard_s
+    local, shards = checks_per_process(plan)
+    prep = local * cluster.tensor_s + shards * cluster.shard_s
 
     total = np.zeros(4 * world)
     for mask, base_s, base_r in ((net, 0, world), (dom, 2 * world, 3 * world)):
