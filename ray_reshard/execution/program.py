@@ -109,10 +109,10 @@ class Part:
             got.update(qi.scale_held for qi in self.quant if _blocks(qi) and qi.scale_held >= 0)
         return got
 
-    def bind(self, views: Sequence[torch.Tensor], engine=None, upload: bool = True) -> None:
+    def bind(self, views: Sequence[torch.Tensor], engine=None) -> None:
         """Resolve every item's region in `views` (indexed like Program.held) and merge runs.
-        With a copy `engine` (see `regions`), the runs it can copy go on one copy table,
-        uploaded here unless `upload` is False (the caller uploads `table` with others)."""
+        With a copy `engine` (see `regions`), the runs it can copy go on one copy table
+        (`table`), which the caller uploads (`Program.bind`: all of a program's at once)."""
         regions = [views[h][s] for h, s in zip(self.held, self.slices)]
         # A run: (first item, last item + 1, wire dtype, local region of the whole run, flat).
         runs = []
@@ -145,8 +145,6 @@ class Part:
                                        [self.offsets[runs[k][0]] for k in same])
                 if len(table.covered) > 1:
                     on = {same[c] for c in table.covered}
-                    if upload:
-                        engine.upload([table], runs[same[0]][3].device)
                     self._table, self._engine = table, engine
                     self._table_dev = runs[same[0]][3].get_device()
                     self._loose = [run for k, run in enumerate(runs) if k not in on]
@@ -157,11 +155,6 @@ class Part:
     def n_runs(self) -> int:
         """Regions copied per pack/unpack once bound (adjacent contiguous items merged)."""
         return len(self._runs)
-
-    @property
-    def n_copies(self) -> int:
-        """Copy calls per pack/unpack once bound: one for the copy table, one per run off it."""
-        return len(self._loose) + (self._table is not None)
 
     @property
     def table(self):
@@ -412,7 +405,7 @@ class Program:
         if engine == "auto":
             engine = _auto_engine(views)
         for p in dirty:
-            p.bind(views, engine, upload=False)
+            p.bind(views, engine)
         tables = [p.table for p in dirty if p.table is not None]
         changed = {id(p) for p in dirty}
         for st in self.steps:

@@ -104,10 +104,6 @@ class Table:
     wire: bool = True          # side B is a bucket (offsets), else source regions (addresses)
     device_data: object = None  # the engine's copy of the table (on the device)
 
-    @property
-    def n_regions(self) -> int:
-        return len(self.regions)
-
 
 def build(regions: Sequence[torch.Tensor], wire_offsets: Sequence[int]) -> Table:
     """The copy table between `regions` and a bucket holding each row-major at its wire offset
