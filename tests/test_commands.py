@@ -300,3 +300,11 @@ def test_bench_first_refit_small():
               timeout=400).stdout
     row = figure(r"Qwen3-235B-A22B\s+128->128\s+" + NUM + r"\s+" + NUM + r"\s+" + NUM, out)
     assert row[0] > 0
+
+
+def test_sim_published_row():
+    """One published row: ours (copy tables) <= per-item copies, links <= ours, bound <= links."""
+    out = run("-m", "ray_reshard.bench.sim_published", "--rows", "4").stdout
+    row = figure(r"3\.2-3\.3 s\s+" + r"\s+".join([NUM] * 5), out)
+    ours, per_item, links, bound, ratio = row
+    assert bound <= links <= ours <= per_item and ratio >= 1

@@ -263,7 +263,8 @@ class Part:
         self._pair = None
         if engine is None:
             return None
-        plain = [i for i in self._plain() if self._regions[i].dtype == other._regions[i].dtype]
+        items = self._plain()
+        plain = [i for i in items if self._regions[i].dtype == other._regions[i].dtype]
         if len(plain) < 2:
             return None
         table = _regions.build_pairs([self._regions[i] for i in plain],
@@ -271,7 +272,7 @@ class Part:
         if len(table.covered) < 2:
             return None
         on = {plain[c] for c in table.covered}
-        rest = [i for i in self._plain() if i not in on]
+        rest = [i for i in items if i not in on]
         self._pair = (table, engine, rest)
         return table
 

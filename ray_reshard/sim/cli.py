@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 import time
+from typing import Optional
 
 from ..cli_args import MODELS, even_out_stages, infer_arg, model_arg, train_arg
 from .cluster import GB, PRESETS, preset
@@ -72,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def run(args) -> dict:
+def run(args, variants: Optional[dict] = None) -> dict:
+    """Simulate as the parsed `args` say. `variants` {name: Cluster field changes}: also the
+    reshard prediction on the same plan with the cluster changed so, in `out["variants"]`."""
     import torch
 
     from ..planning.plan import plan as make_plan
@@ -114,6 +117,9 @@ def run(args) -> dict:
                   [("infer", r // g) for r in range(infer.world)])
     res = simulate(p, cl, bucket, args.mode, timeline, window=args.window,
                    ring_recv=args.ring_recv)
+    predicted = {name: simulate(p, cl.with_(**changes), bucket, args.mode, window=args.window,
+                                ring_recv=args.ring_recv).predicted_s
+                 for name, changes in (variants or {}).items()}
     gb = gather_broadcast_seconds(p, cl, bucket)
     # direct point-to-point: every rank its own domain, so no de-duplication inside domains
     direct_plan = make_plan(specs, n_src=train.world, n_dst=infer.world)
@@ -126,6 +132,8 @@ def run(args) -> dict:
                direct_s=direct.predicted_s, ring_recv=args.ring_recv,
                direct_network_bytes=direct.network_bytes,
                cluster_description=cl.describe(), wall_s=time.perf_counter() - t0)
+    if variants:
+        out["variants"] = predicted
     return out
 
 
