@@ -102,6 +102,23 @@ def _sync(ctx):
         torch.cuda.synchronize()
 
 
+def _timed(ctx, fn, reps=5, trials=5, sync=True):
+    """Best of `trials` runs of `reps` calls, per call, after a warm-up; with `sync` False
+    the host's time only (the device may still be working)."""
+    fn()
+    _sync(ctx)
+    best = float("inf")
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        if sync:
+            _sync(ctx)
+        best = min(best, (time.perf_counter() - t0) / reps)
+        _sync(ctx)
+    return best
+
+
 def _layouts(n_src: int, n_dst: int):
     src = rr.Layout(rr.Mesh(list(range(n_src))), (Shard(0),))
     dst = rr.Layout(rr.Mesh(list(range(n_dst))), (Shard(1),))
@@ -157,22 +174,9 @@ def pack_bandwidth(ctx):
     buf = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device)
     contiguous = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device).random_(0, 255)
 
-    def timed(fn, reps=5, trials=5):
-        """Best of `trials` runs of `reps` calls, per call (after a warm-up)."""
-        fn()
-        _sync(ctx)
-        best = float("inf")
-        for _ in range(trials):
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            _sync(ctx)
-            best = min(best, (time.perf_counter() - t0) / reps)
-        return best
-
-    copy_s = timed(lambda: buf.copy_(contiguous))
-    pack_s = timed(lambda: send.pack(buf))
-    unpack_s = timed(lambda: recv.unpack(buf))
+    copy_s = _timed(ctx, lambda: buf.copy_(contiguous))
+    pack_s = _timed(ctx, lambda: send.pack(buf))
+    unpack_s = _timed(ctx, lambda: recv.unpack(buf))
     if not torch.equal(dst_shard, rr.shard_tensor(full, dst, 0)):
         raise AssertionError("pack/unpack round trip differs")
     gbs = lambda s: nbytes / s / 1e9
@@ -210,26 +214,12 @@ def copy_tables(ctx):
     ref = torch.zeros(nbytes, dtype=torch.uint8, device=ctx.device)
     wires = [ref[o:o + size].view(torch.bfloat16).view(rows, width) for o in offsets]
 
-    def per_call(fn, reps, sync):
-        fn()
-        _sync(ctx)
-        best = float("inf")
-        for _ in range(3):
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            if sync:
-                _sync(ctx)
-            best = min(best, (time.perf_counter() - t0) / reps)
-        _sync(ctx)
-        return best
-
     pack_table = lambda: engine.copy(table, wire, True)
     pack_foreach = lambda: torch._foreach_copy_(wires, views)
-    host_table = per_call(pack_table, 20, False)
-    host_foreach = per_call(pack_foreach, 5, False)
-    dev_table = per_call(pack_table, 20, True)
-    dev_foreach = per_call(pack_foreach, 5, True)
+    host_table = _timed(ctx, pack_table, reps=20, trials=3, sync=False)
+    host_foreach = _timed(ctx, pack_foreach, trials=3, sync=False)
+    dev_table = _timed(ctx, pack_table, reps=20, trials=3)
+    dev_foreach = _timed(ctx, pack_foreach, trials=3)
     if not torch.equal(wire, ref):
         raise AssertionError("copy-table pack differs from foreach")
     outs = [torch.zeros(rows, cols, dtype=torch.bfloat16, device=ctx.device)[:, :width]
