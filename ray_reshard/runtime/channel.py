@@ -56,10 +56,15 @@ class NetChannel(Channel):
 
 class RingChannel(Channel):
     """Shared-memory / CUDA IPC rings to processes on this node. A posted bucket is packed into
-    (or unpacked from) the ring's slot in place: `tensor` is a function of the slot."""
+    (or unpacked from) the ring's slot in place: `tensor` is a function of the slot.
+
+    On CUDA IPC rings a post does not wait for the GPU: the slot is published (freed) once the
+    copy's events are done, at a later `poll` or `flush` (see cuda_ipc.py). The executor flushes
+    before it waits for anything, so no peer waits on a slot this process holds unpublished."""
 
     def __init__(self, rings_out: dict, rings_in: dict):
         self.rings_out, self.rings_in = rings_out, rings_in
+        self.waiting: set = set()      # rings with deferred commits or releases
 
     def has(self, peer: int, sending: bool) -> bool:
         return peer in (self.rings_out if sending else self.rings_in)
@@ -71,20 +76,33 @@ class RingChannel(Channel):
     def post(self, peer, tensor, sending, nbytes: int = 0, deadline: float = 0.0):
         if sending:
             ring = self.rings_out[peer]
-            slot = ring.send_slot(nbytes, deadline)
-            tensor(slot)
-            ring.commit_send()
+            tensor(ring.send_slot(nbytes, deadline))
+            ring.commit_send(defer=True)
         else:
             ring = self.rings_in[peer]
-            slot = ring.recv_slot(deadline)
-            tensor(slot)
-            ring.release_recv()
+            tensor(ring.recv_slot(deadline))
+            ring.release_recv(defer=True)
+        if ring.deferred:
+            self.waiting.add(ring)
         return None
+
+    def poll(self) -> None:
+        """Publish and free what the GPU has finished; never blocks."""
+        if self.waiting:
+            self.waiting = {ring for ring in self.waiting if ring.poll()}
+
+    def flush(self) -> None:
+        """Wait for every deferred commit and release, and publish and free them."""
+        if self.waiting:
+            waiting, self.waiting = self.waiting, set()
+            for ring in waiting:
+                ring.flush()
 
     def complete(self, handle, deadline, what):
         pass
 
     def abort(self, reason):
+        self.waiting = set()
         for ring in [*self.rings_out.values(), *self.rings_in.values()]:
             try:
                 ring.abort(reason[:200])

@@ -22,7 +22,11 @@ Rings. A run of consecutive ring (domain) steps runs as a unit once the network 
 forwards pass on have completed: each peer's buckets in program order (a ring is first in,
 first out), but whichever peer's ring is ready first (a free slot to send into, a published
 one to take), and only when none is, the earliest step left, waiting for it. So a destination
-does not wait for one forwarder while another's bucket sits ready. What a forwarder passes to
+does not wait for one forwarder while another's bucket sits ready. On CUDA IPC rings a ring step
+does not wait for its copy: the slot is published (freed) once the copy's events are done
+(`RingChannel.poll` after each pass over a run's peers), and the process flushes them before it
+waits for anything (a peer's ring, a network message, the end of the program), so the host
+issues the next copy while the GPU runs this one and no peer waits on a slot held back. What a forwarder passes to
 one target out of a segment of a round's rotations is merged into few buckets, sent only once
 the network buckets that brought it in have completed; they sort into the next segment, spread
 over its rotations (`plan.forward_key`), so its network receives are in flight meanwhile.
@@ -114,6 +118,8 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
     def wait_one():
         handle, s, is_recv, si, after = pending.popleft()
         t0 = now()
+        if rings is not None:
+            rings.flush()       # no peer may wait on a ring slot while this process waits
         net.complete(handle, deadline, f"{'recv from' if is_recv else 'send to'} process {s.peer}")
         t1 = now()
         clock["wait"] += t1 - t0
@@ -245,6 +251,8 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
                 moved[st.path] += st.nbytes
     while pending:
         wait_one()
+    if rings is not None:
+        rings.flush()
     if tr.device.type == "cuda":
         torch.cuda.synchronize(tr.device)
     return {"bytes_by_path": moved, "sent_bytes": sent, "recv_bytes": recv,
@@ -261,7 +269,8 @@ def _run_rings(run: list, rings: RingChannel, do: Callable) -> None:
     """Do a run of ring steps: each (peer, direction) in program order, and any whose ring is
     ready first; when none is, the earliest step left, waiting for it. Deadlock-free as the
     strict order is: the earliest unfinished ring transfer of the whole group is, on both of
-    its ends, either ready or the earliest step left in a run."""
+    its ends, either ready or the earliest step left in a run. Deferred commits and releases
+    (CUDA IPC) are polled after each pass and flushed before waiting."""
     queues: dict = {}
     for n, st in enumerate(run):
         queues.setdefault((st.peer, st.kind == SEND), deque()).append((n, st))
@@ -274,7 +283,11 @@ def _run_rings(run: list, rings: RingChannel, do: Callable) -> None:
                 progressed = True
             if not q:
                 del queues[key]
+        rings.poll()
         if not progressed and queues:
+            rings.flush()       # nothing ready: publish ours before waiting on a peer
+            if any(rings.ready(*k) for k in queues):
+                continue
             key = min(queues, key=lambda k: queues[k][0][0])
             q = queues[key]
             do(q.popleft()[1])

@@ -48,7 +48,7 @@ class Cluster:
     nvlink_Bps: float
     nic_Bps: float
     latency_s: float = 20e-6            # per network group a process posts
-    ring_latency_s: float = 20e-6       # per ring transfer (the sender's stream sync, publish)
+    ring_latency_s: float = 20e-6       # per ring transfer (its publish: the sender's sync or poll)
     item_s: float = MEASURED_ITEM_S
     tensor_s: float = MEASURED_TENSOR_S  # per local tensor per process taking part (a refit's
                                          # check; a fused tensor holding many shards is one)
@@ -69,6 +69,9 @@ class Cluster:
     broadcast: str = "ring"             # "ring": pipelined (NCCL); "flat": root sends each copy (gloo)
     pack_over_link: bool = False        # a ring sender packs straight into the receiver's slot
                                         # over the link (CUDA IPC): copy and transfer are one
+    host_overlap: bool = False          # the host issues a copy and goes on while the GPU runs
+                                        # it (a ring slot published on its event): a bucket end
+                                        # costs the longer of host step and copy, not the sum
 
     def __post_init__(self):
         if self.gpus_per_domain < 1:
@@ -107,6 +110,8 @@ class Cluster:
                   f"messages ({self.message_s * 1e6:.1f} us each per end)")
         if self.pack_over_link:
             s += ", ring senders pack over the link"
+        if self.host_overlap:
+            s += ", host steps overlap the GPU's copies"
         if self.cpu_cores:
             s += f", all ranks on {self.cpu_cores} CPU cores"
         if self.fabric_Bps:
@@ -120,12 +125,14 @@ PRESETS = {
     # DGX H100: NVLink 4 (900 GB/s bidirectional per GPU), one 400 Gb/s ConnectX-7 per GPU.
     "dgx-h100": Cluster("dgx-h100", 8, 450 * GB, 400 / 8 * GB, latency_s=20e-6,
                         item_s=REPLAY_ITEM_S, step_s=MEASURED_STEP_S + LAUNCH_S,
-                        shard_s=MEASURED_SHARD_S, copy_tables=True, pack_over_link=True),
+                        shard_s=MEASURED_SHARD_S, copy_tables=True, pack_over_link=True,
+                        host_overlap=True),
     # GB200 NVL72: 72 GPUs in one NVLink 5 domain (1.8 TB/s bidirectional per GPU), one
     # 400 Gb/s ConnectX-7 per GPU to the scale-out fabric.
     "gb200-nvl72": Cluster("gb200-nvl72", 72, 900 * GB, 400 / 8 * GB, latency_s=20e-6,
                            item_s=REPLAY_ITEM_S, step_s=MEASURED_STEP_S + LAUNCH_S,
-                           shard_s=MEASURED_SHARD_S, copy_tables=True, pack_over_link=True),
+                           shard_s=MEASURED_SHARD_S, copy_tables=True, pack_over_link=True,
+                           host_overlap=True),
     # This machine's two simulated nodes (every rank shares 2 CPU cores): gloo over loopback as
     # the network, shared-memory rings as the domain links (their rate without the copies,
     # which are CPU work). Figures measured by

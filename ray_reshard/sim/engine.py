@@ -18,7 +18,8 @@ of its last network group, and its network groups in flight:
   the group could leave (arrive) at the NIC's rate; a group ends with its last message plus
   one `latency_s`;
 * a domain (ring) bucket is packed by its sender into the receiver's slot (the sender waits for
-  it: NVLink send and receive ports of both ends are busy meanwhile, plus `ring_latency_s`;
+  it, unless `host_overlap`: NVLink send and receive ports of both ends are busy meanwhile,
+  and it arrives `ring_latency_s` after;
   with `pack_over_link`, GPU clusters, the packing copy is the link transfer, else it comes
   first). The receiver takes it as the executor does (`ring_recv="runs"`): within a run of
   consecutive ring steps of its program, at once when it has arrived by the time the process
@@ -33,7 +34,11 @@ of its last network group, and its network groups in flight:
   by one copy-table launch (`copy_tables`, GPU clusters), plus `message_s` per message where
   items travel as their own messages, plus its copies: bytes of strided regions at
   `copy_Bps`, of contiguous regions at `contig_copy_Bps`; network items in place (CPU wire
-  format, `per_item_min_bytes`) copy nothing; every process first checks its local tensors
+  format, `per_item_min_bytes`) copy nothing. With `host_overlap` (GPU clusters) the host
+  issues a copy and goes on while the GPU runs it (stream order; a ring slot is published
+  once its copy's event is done, `ring_latency_s` later), so a bucket end costs the longer
+  of its host step and its copy, and a ring sender does not wait for its slot to be
+  published. Every process first checks its local tensors
   (`tensor_s` each: a refit checks each local tensor the shards live in, e.g. one fused
   tensor for all of a layer's experts) and its view table (`shard_s` per shard).
 
@@ -448,8 +453,10 @@ def _work(msgs: Messages, cluster: Cluster) -> tuple[np.ndarray, np.ndarray, np.
     if cluster.per_item_min_bytes is not None and cluster.message_s:
         base = base + np.where(msgs.per_item, msgs.items * cluster.message_s, 0.0)
     send_copy = ss / cluster.copy_Bps + cs / cluster.contig_copy_Bps
-    return (base + send_copy, base + sr / cluster.copy_Bps + cr / cluster.contig_copy_Bps,
-            send_copy)
+    recv_copy = sr / cluster.copy_Bps + cr / cluster.contig_copy_Bps
+    if cluster.host_overlap:
+        return np.maximum(base, send_copy), np.maximum(base, recv_copy), send_copy
+    return base + send_copy, base + recv_copy, send_copy
 
 
 def replay(plan: Plan, msgs: Messages, cluster: Cluster, bucket_bytes: int,
@@ -569,6 +576,7 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, send
     staged_r = (msgs.strided_recv + msgs.contig_recv).tolist()
     sw, rw = send_work.tolist(), recv_work.tolist()
     over_link = cluster.pack_over_link
+    overlap = cluster.host_overlap
     sc = send_copy.tolist() if over_link else None
     recv_seq = [-1] * len(rnd)
     arrived = [0.0] * world                       # ring buckets taken as ready: last unpacked
@@ -693,13 +701,18 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, send
             # the receiver unpacks once the slot is there
             if in_runs:
                 take_ready(s)
-            if over_link:               # the packing is the transfer
-                t0 = max(cpu[s] + sw[i] - sc[i], nv_s[s], nv_r[r])
-                t1 = t0 + max(nbytes[i] / nvl, sc[i]) + ring_lat
+            if over_link and overlap:   # the sender goes on; the slot is published later
+                t0 = max(cpu[s], nv_s[s], nv_r[r])
+                nv_s[s] = nv_r[r] = cpu[s] = t0 + max(nbytes[i] / nvl, sw[i])
+                t1 = cpu[s] + ring_lat
             else:
-                t0 = max(cpu[s] + sw[i], nv_s[s], nv_r[r])
-                t1 = t0 + nbytes[i] / nvl + ring_lat
-            nv_s[s] = nv_r[r] = cpu[s] = t1
+                if over_link:           # the packing is the transfer
+                    t0 = max(cpu[s] + sw[i] - sc[i], nv_s[s], nv_r[r])
+                    t1 = t0 + max(nbytes[i] / nvl, sc[i]) + ring_lat
+                else:
+                    t0 = max(cpu[s] + sw[i], nv_s[s], nv_r[r])
+                    t1 = t0 + nbytes[i] / nvl + ring_lat
+                nv_s[s] = nv_r[r] = cpu[s] = t1
             if s == watch:
                 note(i, t0, t1, 2, sw[i], t1 - t0)
             if in_runs:

@@ -69,7 +69,7 @@ def _bucket(seed: int, i: int, slot_bytes: int, device) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).to(device)
 
 
-def _gpu_producer(name, seed, count, use_stream, q, visible=None):
+def _gpu_producer(name, seed, count, use_stream, q, visible=None, defer=False):
     try:
         if visible is not None:          # before CUDA starts in this process
             os.environ["CUDA_VISIBLE_DEVICES"] = visible
@@ -84,22 +84,25 @@ def _gpu_producer(name, seed, count, use_stream, q, visible=None):
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
                     slot.copy_(data)
-                ring.commit_send(stream=stream)
+                ring.commit_send(stream=stream, defer=defer)
             else:
                 slot.copy_(data)
-                ring.commit_send()
+                ring.commit_send(defer=defer)
+            ring.poll()
         # typed packing: a float32 view of a slot (slots are aligned)
         x = torch.randn(1000, generator=torch.Generator().manual_seed(seed)).cuda()
         slot = ring.send_slot(x.numel() * 4, time.monotonic() + 60)
         slot.view(torch.float32).copy_(x)
-        ring.commit_send()
+        ring.commit_send(defer=defer)
+        ring.flush()
+        assert ring.deferred == 0
         q.put(("producer", "ok", count + 1))
         ring.close()
     except BaseException as e:
         q.put(("producer", "error", repr(e)))
 
 
-def _gpu_consumer(name, seed, count, q, visible=None):
+def _gpu_consumer(name, seed, count, q, visible=None, defer=False):
     try:
         if visible is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible
@@ -112,28 +115,29 @@ def _gpu_consumer(name, seed, count, q, visible=None):
             want = _bucket(seed, i, ring.slot_bytes, "cuda")
             if view.numel() != want.numel() or not torch.equal(view, want):
                 bad.append(i)
-            ring.release_recv()
+            ring.release_recv(defer=defer)
         view = ring.recv_slot(time.monotonic() + 60)
         x = torch.randn(1000, generator=torch.Generator().manual_seed(seed)).cuda()
         if not torch.equal(view.view(torch.float32), x):
             bad.append("float32")
-        ring.release_recv()
+        ring.release_recv(defer=defer)
+        ring.flush()
         q.put(("consumer", "ok", bad))
         ring.close()
     except BaseException as e:
         q.put(("consumer", "error", repr(e)))
 
 
-def _exchange(slots, use_stream, consumer_gpu=None, producer_gpu=None):
+def _exchange(slots, use_stream, consumer_gpu=None, producer_gpu=None, defer=False):
     ctx = tmp.get_context("spawn")
     ring = CudaIpcRing.create(1 << 20, slots=slots)     # created without touching CUDA here
     try:
         count = 60
         q = ctx.Queue()
         procs = [ctx.Process(target=_gpu_consumer, args=(ring.name, slots, count, q,
-                                                         consumer_gpu)),
+                                                         consumer_gpu, defer)),
                  ctx.Process(target=_gpu_producer, args=(ring.name, slots, count, use_stream, q,
-                                                         producer_gpu))]
+                                                         producer_gpu, defer))]
         for p in procs:
             p.start()
         results = {}
@@ -152,9 +156,11 @@ def _exchange(slots, use_stream, consumer_gpu=None, producer_gpu=None):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("slots,use_stream", [(2, False), (3, True)])
-def test_two_processes_exchange_buckets_bit_exact(slots, use_stream):
-    _exchange(slots, use_stream)
+@pytest.mark.parametrize("slots,use_stream,defer", [(2, False, False), (3, True, False),
+                                                    (2, False, True), (3, True, True)])
+def test_two_processes_exchange_buckets_bit_exact(slots, use_stream, defer):
+    """With `defer`, slots are published and freed on CUDA events (poll / flush)."""
+    _exchange(slots, use_stream, defer=defer)
 
 
 @pytest.mark.gpu

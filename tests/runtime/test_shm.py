@@ -410,3 +410,78 @@ def test_throughput_ring_vs_pipe(ring_factory, record_property):
           f"({ring_gib_s / pipe_gib_s:.1f}x)")
     record_property("shm_ring_gib_s", ring_gib_s)
     record_property("mp_pipe_gib_s", pipe_gib_s)
+
+
+class LateMarker:
+    """A stand-in for a CUDA event of a copy still running: done at its `after`-th query, or
+    once waited for."""
+
+    def __init__(self, after: int = 2):
+        self.left = after
+
+    def query(self) -> bool:
+        self.left -= 1
+        return self.left <= 0
+
+    def synchronize(self) -> None:
+        self.left = 0
+
+
+def test_deferred_commits_and_releases_keep_order_and_count_as_used(ring_factory):
+    ring = ring_factory(16, slots=3)
+    peer = ShmRing.attach(ring.name)
+    first, second = LateMarker(100), LateMarker(1)
+    ring.send_slot(1, time.monotonic() + 1).fill_(1)
+    ring.commit_send(first)
+    ring.send_slot(1, time.monotonic() + 1).fill_(2)
+    ring.commit_send(second)                # done, but published only after the first
+    assert ring.deferred == 2 and ring.pending() == 0
+    assert not peer.ready(False)
+    assert ring.ready(True)                 # one slot of three left
+    ring.send_slot(1, time.monotonic() + 1).fill_(3)
+    ring.commit_send()                      # no marker: still behind the deferred ones
+    assert not ring.ready(True) and ring.deferred == 3
+    assert ring.poll() and ring.pending() == 0
+    first.left = 1                          # the first copy finishes
+    assert not ring.poll() and ring.pending() == 3 and ring.deferred == 0
+    got = []
+    for _ in range(3):
+        got.append(int(peer.recv_slot(time.monotonic() + 1)[0]))
+        peer.release_recv(LateMarker(5))
+    assert got == [1, 2, 3]
+    assert peer.deferred == 3 and not ring.ready(True)     # taken, not yet freed
+    peer.flush()
+    assert peer.deferred == 0 and ring.ready(True) and ring.pending() == 0
+    peer.close()
+
+
+def test_a_waiting_side_flushes_its_own_deferred_slots(ring_factory):
+    """A side about to wait for its peer first publishes (frees) its own deferred slots, so it
+    never waits on a slot it holds itself."""
+    ring = ring_factory(16, slots=2)
+    peer = ShmRing.attach(ring.name)
+    for v in (1, 2):
+        ring.send_slot(1, time.monotonic() + 1).fill_(v)
+        ring.commit_send(LateMarker(100))
+    assert not ring.ready(True) and ring.pending() == 0
+    with pytest.raises(TransportTimeout):       # flushed both, then waited for the consumer
+        ring.send_slot(1, time.monotonic() + 0.2)
+    assert ring.pending() == 2 and ring.deferred == 0
+    for v in (1, 2):
+        assert int(peer.recv_slot(time.monotonic() + 1)[0]) == v
+        peer.release_recv(LateMarker(100))
+    assert not ring.ready(True)
+    with pytest.raises(TransportTimeout):       # freed both, then waited for the producer
+        peer.recv_slot(time.monotonic() + 0.2)
+    assert ring.ready(True) and ring.pending() == 0
+    peer.close()
+
+
+def test_abort_drops_deferred_slots(ring_factory):
+    ring = ring_factory(16, slots=2)
+    peer = ShmRing.attach(ring.name)
+    ring.send_slot(1, time.monotonic() + 1)
+    ring.commit_send(LateMarker(100))
+    peer.abort("test")
+    assert not ring.poll() and ring.deferred == 0 and ring.pending() == 0
+    peer.close()

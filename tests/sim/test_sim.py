@@ -279,7 +279,8 @@ def test_ring_receive_orders():
         runs = simulate(p, cl, 1 << 20, "exact")
         in_order = simulate(p, cl, 1 << 20, "exact", ring_recv="in_order")
         as_ready = simulate(p, cl, 1 << 20, "exact", ring_recv="as_ready")
-        assert as_ready.bound_s <= as_ready.predicted_s <= runs.predicted_s * (1 + 1e-9)
+        # (within one ring latency: with host overlap a slot's publish trails its copy)
+        assert as_ready.bound_s <= as_ready.predicted_s <= runs.predicted_s + cl.ring_latency_s
         assert runs.predicted_s <= in_order.predicted_s * (1 + 1e-9)
     with pytest.raises(ValueError, match="ring_recv"):
         simulate(p, BARE, 1 << 20, ring_recv="whenever")

@@ -9,10 +9,15 @@ publishes the CUDA IPC handle in the header's metadata area. The sender opens th
 :meth:`CudaIpcRing.send_slot` (waiting for it, under the same deadline), then packs straight into the
 receiver's memory (over NVLink when the two GPUs differ).
 
-GPU ordering: ``commit_send`` synchronises the sender's current streams (of its own device and of
-the buffer's device) before publishing, so the bytes are complete when the receiver sees the slot;
-``release_recv`` synchronises the receiver's current stream before freeing the slot, so the sender
-cannot overwrite bytes still being read. Pass ``stream=`` to either to synchronise a specific stream.
+GPU ordering: ``commit_send`` publishes a slot only once the sender's current streams (of its own
+device and of the buffer's device) have finished the copies into it, so the bytes are complete
+when the receiver sees the slot; ``release_recv`` frees a slot only once the receiver's current
+stream has finished reading it, so the sender cannot overwrite bytes still being read. Pass
+``stream=`` to either to mean a specific stream. Both wait for the stream at once, or with
+``defer=True`` record CUDA events and leave publishing (freeing) to a later ``poll`` (events
+done: never blocks) or ``flush`` (waits for them): the host goes on to its next copy while the
+GPU runs this one. Slots are published and freed in order, and a side that has to wait for the
+peer flushes its own first, so it never waits on a slot it holds itself.
 
 Devices: Ray gives each GPU actor CUDA_VISIBLE_DEVICES with only its own GPU, so the sender
 usually cannot see the receiver's GPU. It then opens the handle on its own current device: CUDA
@@ -42,7 +47,7 @@ from ...errors import TransportError
 from .devices import expandable_segments, ipc_open_device
 from .shm import _OFF_META_LEN, _Segment, _round_up
 
-__all__ = ["CudaIpcRing"]
+__all__ = ["CudaIpcRing", "StreamMarker"]
 
 _ALIGN = 512                    # slot alignment in the GPU buffer (any dtype, vector loads)
 
@@ -87,6 +92,26 @@ def _hex(b) -> Optional[str]:
 
 def _unhex(s) -> Optional[bytes]:
     return None if s is None else bytes.fromhex(s)
+
+
+class StreamMarker:
+    """Events recorded now on `streams`: done once every stream has reached this point."""
+
+    __slots__ = ("events",)
+
+    def __init__(self, streams):
+        self.events = []
+        for st in streams:
+            e = torch.cuda.Event()
+            e.record(st)
+            self.events.append(e)
+
+    def query(self) -> bool:
+        return all(e.query() for e in self.events)
+
+    def synchronize(self) -> None:
+        for e in self.events:
+            e.synchronize()
 
 
 class CudaIpcRing(_Segment):
@@ -166,13 +191,11 @@ class CudaIpcRing(_Segment):
         off = idx * self._gstride
         return self._buf[off:off + nbytes]
 
-    def _sync(self, stream) -> None:
+    def _streams(self, stream) -> list:
         if stream is not None:
-            stream.synchronize()
-            return
+            return [stream]
         devs = {self._buf.device.index, torch.cuda.current_device()}
-        for d in devs:
-            torch.cuda.current_stream(d).synchronize()
+        return [torch.cuda.current_stream(d) for d in devs]
 
     # -- ring interface
     def ready(self, sending: bool) -> bool:
@@ -190,13 +213,21 @@ class CudaIpcRing(_Segment):
         self._open_buffer(deadline)
         return self._view(self._acquire_send(nbytes, deadline), int(nbytes))
 
-    def commit_send(self, stream: Optional[torch.cuda.Stream] = None) -> None:
-        """Wait for the copies into the slot (current streams, or `stream`), then publish it."""
+    def commit_send(self, stream: Optional[torch.cuda.Stream] = None,
+                    defer: bool = False) -> None:
+        """Publish the slot once the copies into it (current streams, or `stream`) are done:
+        wait for them now, or with `defer` record events and publish at a later `poll` or
+        `flush` (slots are published in order)."""
         self._check_open()
         if self._send_idx is None:
             raise RuntimeError("commit_send without a preceding send_slot")
-        self._sync(stream)
-        self._publish()
+        if defer:
+            self._commit(StreamMarker(self._streams(stream)))
+            return
+        self.flush()
+        for st in self._streams(stream):
+            st.synchronize()
+        self._commit(None)
 
     def recv_slot(self, deadline: float) -> torch.Tensor:
         """Wait for the next published slot; a uint8 GPU view of its bytes (valid until
@@ -209,13 +240,20 @@ class CudaIpcRing(_Segment):
         idx, n = self._acquire_recv(deadline)
         return self._view(idx, n)
 
-    def release_recv(self, stream: Optional[torch.cuda.Stream] = None) -> None:
-        """Wait for reads of the slot (current streams, or `stream`), then free it."""
+    def release_recv(self, stream: Optional[torch.cuda.Stream] = None,
+                     defer: bool = False) -> None:
+        """Free the slot once the reads of it (current streams, or `stream`) are done: wait for
+        them now, or with `defer` record events and free it at a later `poll` or `flush`."""
         self._check_open()
         if self._recv_idx is None:
             raise RuntimeError("release_recv without a preceding recv_slot")
-        self._sync(stream)
-        self._release()
+        if defer:
+            self._finish_recv(StreamMarker(self._streams(stream)))
+            return
+        self.flush()
+        for st in self._streams(stream):
+            st.synchronize()
+        self._finish_recv(None)
 
     def _drop_views(self) -> None:
         self._buf = None

@@ -11,6 +11,12 @@ consumer gets the next published slot with :meth:`ShmRing.recv_slot`, unpacks it
 :meth:`ShmRing.release_recv`. Slots are used in order, so ``slots`` buffers pipeline packing on one
 side with unpacking on the other.
 
+A commit or a release may be deferred: ``commit_send(done)`` / ``release_recv(done)`` with a marker
+that has ``query()`` and ``synchronize()`` (a CUDA event; see cuda_ipc.py) keeps the slot counted
+as used and publishes (frees) it at the first ``poll()`` that finds it done, or at ``flush()``,
+which waits for it; slots are published and freed in order. A side about to wait for its peer
+flushes its own pending slots first.
+
 Synchronisation is two monotonically increasing 64-bit sequence counters (``produced`` and
 ``consumed``, each on its own cache line). Only the producer writes ``produced`` and only the
 consumer writes ``consumed``. The producer writes the payload first, then the slot's length, then
@@ -45,6 +51,7 @@ import re
 import secrets
 import sys
 import time
+from collections import deque
 from typing import Callable, Optional
 
 import numpy as np
@@ -263,6 +270,8 @@ class _Segment:
         self._send_idx: Optional[int] = None
         self._send_n = 0
         self._recv_idx: Optional[int] = None
+        self._unpublished: deque = deque()   # committed sends: (slot, length, done marker)
+        self._unreleased: deque = deque()    # taken receives: done markers
         self.created = owner_created
 
     # -- raw header words
@@ -424,6 +433,7 @@ class _Segment:
         self._mm[_OFF_REASON:_OFF_REASON + _REASON_BYTES] = raw.ljust(_REASON_BYTES, b"\0")
         self._store(_OFF_ABORT_PID, os.getpid())
         self._store(_OFF_ABORT, ABORT_REQUESTED)
+        self._drop_pending()
         self._wake(_OFF_PRODUCED)
         self._wake(_OFF_CONSUMED)
 
@@ -498,24 +508,36 @@ class _Segment:
         if nbytes < 0 or nbytes > self.slot_bytes:
             raise ValueError(f"{nbytes} bytes do not fit a {self.slot_bytes}-byte slot")
         self._register("producer")
-        produced = self._load(_OFF_PRODUCED)
+        if not self.ready(True):
+            self.flush()            # our own unpublished slots must not be what we wait on
+        ahead = self._load(_OFF_PRODUCED) + len(self._unpublished)
         slots = self.slots
-        self._wait(lambda: produced - self._load(_OFF_CONSUMED) < slots, deadline, "a free slot",
+        self._wait(lambda: ahead - self._load(_OFF_CONSUMED) < slots, deadline, "a free slot",
                    _OFF_CONSUMED)
-        idx = produced % slots
+        idx = ahead % slots
         self._send_idx, self._send_n = idx, nbytes
         return idx
 
-    def _publish(self) -> None:
+    def _commit(self, done=None) -> None:
+        """Commit the slot of the last send_slot: published now, or once `done` (an object with
+        `query()` and `synchronize()`, e.g. a CUDA event) is, at `poll` or `flush`; slots are
+        published in order."""
         self._check_open()
         if self._send_idx is None:
             raise RuntimeError("commit_send without a preceding send_slot")
-        idx, n = self._send_idx, self._send_n
         self._check_abort()
+        entry = (self._send_idx, self._send_n, done)
+        self._send_idx = None
+        if done is None and not self._unpublished:
+            self._publish(*entry[:2])
+        else:
+            self._unpublished.append(entry)
+            self.poll()
+
+    def _publish(self, idx: int, n: int) -> None:
         self._store(_OFF_LENGTHS + 8 * idx, n)
         self._store(_OFF_PRODUCED, self._load(_OFF_PRODUCED) + 1)
         self._wake(_OFF_PRODUCED)
-        self._send_idx = None
 
     def _acquire_recv(self, deadline: float):
         self._check_open()
@@ -523,29 +545,81 @@ class _Segment:
         if self._recv_idx is not None:
             raise RuntimeError("recv_slot called again before release_recv")
         self._register("consumer")
-        consumed = self._load(_OFF_CONSUMED)
-        self._wait(lambda: self._load(_OFF_PRODUCED) > consumed, deadline, "a published slot",
+        if not self.ready(False):
+            self.flush()            # a producer may wait for the slots we hold
+        taken = self._load(_OFF_CONSUMED) + len(self._unreleased)
+        self._wait(lambda: self._load(_OFF_PRODUCED) > taken, deadline, "a published slot",
                    _OFF_PRODUCED)
-        idx = consumed % self.slots
+        idx = taken % self.slots
         n = self._load(_OFF_LENGTHS + 8 * idx)
         self._recv_idx = idx
         return idx, n
 
-    def _release(self) -> None:
+    def _finish_recv(self, done=None) -> None:
+        """Free the slot of the last recv_slot: now, or once `done` is (see `_commit`)."""
         self._check_open()
         if self._recv_idx is None:
             raise RuntimeError("release_recv without a preceding recv_slot")
+        self._recv_idx = None
+        if done is None and not self._unreleased:
+            self._release()
+        else:
+            self._unreleased.append(done)
+            self.poll()
+
+    def _release(self) -> None:
         self._store(_OFF_CONSUMED, self._load(_OFF_CONSUMED) + 1)
         self._wake(_OFF_CONSUMED)
-        self._recv_idx = None
+
+    def poll(self) -> bool:
+        """Publish committed sends and free taken receives whose markers are done, in order;
+        never blocks. Whether any are still waiting."""
+        if self._closed:
+            return False
+        if self._load(_OFF_ABORT) != ABORT_NONE:
+            self._drop_pending()
+            return False
+        q = self._unpublished
+        while q and (q[0][2] is None or q[0][2].query()):
+            idx, n, _ = q.popleft()
+            self._publish(idx, n)
+        r = self._unreleased
+        while r and (r[0] is None or r[0].query()):
+            r.popleft()
+            self._release()
+        return bool(q or r)
+
+    @property
+    def deferred(self) -> int:
+        """Committed sends and taken receives not yet published or freed."""
+        return len(self._unpublished) + len(self._unreleased)
+
+    def _drop_pending(self) -> None:
+        self._unpublished.clear()
+        self._unreleased.clear()
+
+    def flush(self) -> None:
+        """Wait for every marker still pending (`synchronize()`), then publish and free."""
+        if self._closed:
+            return
+        for entry in self._unpublished:
+            if entry[2] is not None:
+                entry[2].synchronize()
+        for done in self._unreleased:
+            if done is not None:
+                done.synchronize()
+        self.poll()
 
     def ready(self, sending: bool) -> bool:
         """Whether a send (a free slot) or a receive (a published slot) could start now, without
-        waiting; never blocks (False when closed)."""
+        waiting; never blocks (False when closed). Slots committed or taken but not yet
+        published or freed count as used."""
         if self.closed:
             return False
         produced, consumed = self._load(_OFF_PRODUCED), self._load(_OFF_CONSUMED)
-        return produced - consumed < self.slots if sending else produced > consumed
+        if sending:
+            return produced + len(self._unpublished) - consumed < self.slots
+        return produced > consumed + len(self._unreleased)
 
     def pending(self) -> int:
         """Published slots not yet released by the consumer."""
@@ -561,6 +635,7 @@ class _Segment:
         if self._closed:
             return
         self._closed = True
+        self._drop_pending()
         self._drop_views()
         self._hdr = None
         self._lengths = None
@@ -621,9 +696,11 @@ class ShmRing(_Segment):
         """Wait for a free slot; return a uint8 view of its first ``nbytes`` bytes to pack into."""
         return self._view(self._acquire_send(nbytes, deadline), int(nbytes))
 
-    def commit_send(self) -> None:
-        """Publish the slot returned by the last send_slot."""
-        self._publish()
+    def commit_send(self, done=None, defer: bool = False) -> None:
+        """Publish the slot returned by the last send_slot (with `done`: once it is done, at
+        `poll` or `flush`; see `_commit`). `defer` changes nothing here: a CPU copy into the
+        slot is complete when it returns."""
+        self._commit(done)
 
     def recv_slot(self, deadline: float) -> torch.Tensor:
         """Wait for the next published slot; return a uint8 view of its bytes (valid until
@@ -631,9 +708,10 @@ class ShmRing(_Segment):
         idx, n = self._acquire_recv(deadline)
         return self._view(idx, n)
 
-    def release_recv(self) -> None:
-        """Free the slot returned by the last recv_slot."""
-        self._release()
+    def release_recv(self, done=None, defer: bool = False) -> None:
+        """Free the slot returned by the last recv_slot (with `done`: once it is done; `defer`
+        as in `commit_send`)."""
+        self._finish_recv(done)
 
     def _drop_views(self) -> None:
         self._data = None
