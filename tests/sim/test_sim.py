@@ -64,6 +64,20 @@ def test_two_round_pipeline_by_hand():
     assert w2.bound_s == pytest.approx(8e-3)
 
 
+@pytest.mark.parametrize("step_ms", [0.5, 2.0])
+def test_host_overlap_charges_the_longer_of_step_and_copy(step_ms):
+    """The pipeline above with a host step per bucket end: without host overlap pack and
+    unpack each cost step + copy (1 ms); with it (the host issues the copy and goes on) the
+    longer of the two."""
+    cl = BARE.with_(nic_Bps=1 * GB, contig_copy_Bps=4 * GB, step_s=step_ms * 1e-3)
+    p = _two_buckets()
+    serial = simulate(p, cl, bucket_bytes=4_000_000, window=2).predicted_s
+    overlap = simulate(p, cl.with_(host_overlap=True), bucket_bytes=4_000_000,
+                       window=2).predicted_s
+    assert serial == pytest.approx(2 * (step_ms + 1) * 1e-3 + 8e-3)
+    assert overlap == pytest.approx(2 * max(step_ms, 1) * 1e-3 + 8e-3)
+
+
 def _forwarding_plan():
     """TP4 -> TP2 x DP2 across two 4-GPU domains: every network piece is forwarded once."""
     return rr.plan(_tp4_to_tp2dp2(n=8, rows=2048, cols=512), ["n0"] * 4, ["n1"] * 4)
