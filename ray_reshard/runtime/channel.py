@@ -1,7 +1,8 @@
 """The one interface the executor uses for every transport, and its implementations.
 
 `post(peer, tensor, sending)` starts moving a tensor's bytes to or from a peer and returns a
-handle, `complete(handle, deadline, what)` waits for it, `abort(reason)` fails every peer
+handle, `complete(handle, deadline, what)` waits for it (`done(handle)` asks without waiting),
+`abort(reason)` fails every peer
 blocked on this process. `NetChannel` is the group's process group (gloo or NCCL: isend/irecv),
 `RingChannel` the shared-memory or CUDA IPC rings to processes on the node (a ring's slot is
 packed in place, so `post` on a ring takes a fill/drain function instead of a tensor and finishes
@@ -31,6 +32,11 @@ class Channel:
     def complete(self, handle: Any, deadline: float, what: str) -> None:
         raise NotImplementedError
 
+    def done(self, handle: Any) -> bool:
+        """Whether `complete(handle)` would return at once (never blocks; False when the
+        transport cannot tell)."""
+        return False
+
     def abort(self, reason: str) -> None:
         pass
 
@@ -49,6 +55,9 @@ class NetChannel(Channel):
 
     def complete(self, handle, deadline, what):
         torch_pg.wait(handle, deadline, what)
+
+    def done(self, handle):
+        return handle.is_completed()
 
     def abort(self, reason):
         self.pg.abort()

@@ -118,7 +118,7 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
     def wait_one():
         handle, s, is_recv, si, after = pending.popleft()
         t0 = now()
-        if rings is not None:
+        if rings is not None and not net.done(handle):
             rings.flush()       # no peer may wait on a ring slot while this process waits
         net.complete(handle, deadline, f"{'recv from' if is_recv else 'send to'} process {s.peer}")
         t1 = now()

@@ -440,9 +440,9 @@ def _link_names(n_src: int, world: int) -> list[str]:
 
 
 def _work(msgs: Messages, cluster: Cluster) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """CPU seconds per bucket at its sender and at its receiver: per item, plus its copies (on
-    a device without per-item messages every network byte is staged, contiguous or not); and
-    the sender's copy seconds alone."""
+    """Per bucket: the host's step at either end (per item, per message, per bucket end), and
+    the copy seconds at its sender and at its receiver (on a device without per-item messages
+    every network byte is staged, contiguous or not)."""
     ss, cs = msgs.strided_send.astype(np.float64), msgs.contig_send.astype(np.float64)
     sr, cr = msgs.strided_recv.astype(np.float64), msgs.contig_recv.astype(np.float64)
     if cluster.per_item_min_bytes is None:
@@ -452,11 +452,9 @@ def _work(msgs: Messages, cluster: Cluster) -> tuple[np.ndarray, np.ndarray, np.
     base = cluster.step_s + (0.0 if cluster.copy_tables else msgs.items * cluster.item_s)
     if cluster.per_item_min_bytes is not None and cluster.message_s:
         base = base + np.where(msgs.per_item, msgs.items * cluster.message_s, 0.0)
-    send_copy = ss / cluster.copy_Bps + cs / cluster.contig_copy_Bps
-    recv_copy = sr / cluster.copy_Bps + cr / cluster.contig_copy_Bps
-    if cluster.host_overlap:
-        return np.maximum(base, send_copy), np.maximum(base, recv_copy), send_copy
-    return base + send_copy, base + recv_copy, send_copy
+    base = np.broadcast_to(np.asarray(base, dtype=np.float64), msgs.nbytes.shape)
+    return (base, ss / cluster.copy_Bps + cs / cluster.contig_copy_Bps,
+            sr / cluster.copy_Bps + cr / cluster.contig_copy_Bps)
 
 
 def replay(plan: Plan, msgs: Messages, cluster: Cluster, bucket_bytes: int,
@@ -465,10 +463,12 @@ def replay(plan: Plan, msgs: Messages, cluster: Cluster, bucket_bytes: int,
     n_src, world = _gpu(plan)
     st = plan.stats
     W = window or default_window(bucket_bytes)
+    msgs = _in_run_order(msgs, W // 2)
     net = msgs.path == PATH_CODE[NETWORK]
     dom = msgs.path == PATH_CODE[DOMAIN]
     R = int(msgs.round.max()) + 1 if len(msgs.round) else 0
-    send_work, recv_work, send_copy = _work(msgs, cluster)
+    base, send_copy, recv_copy = _work(msgs, cluster)
+    send_work, recv_work = base + send_copy, base + recv_copy
     local, shards = checks_per_process(plan)
     prep = local * cluster.tensor_s + shards * cluster.shard_s
 
@@ -485,9 +485,8 @@ def replay(plan: Plan, msgs: Messages, cluster: Cluster, bucket_bytes: int,
         side, r = timeline_rank
         g = r if side == "src" else n_src + r
 
-    msgs = _in_run_order(msgs, W // 2)
-    cpu, rows = _replay_processes(msgs, cluster, W, world, send_work, recv_work, prep, g,
-                                  ring_recv, n_src=n_src, send_copy=send_copy)
+    cpu, rows = _replay_processes(msgs, cluster, W, world, base, send_copy, recv_copy, prep, g,
+                                  ring_recv, n_src=n_src)
     replay_s = float(cpu.max()) if world else 0.0
 
     # Shared resources: all network bytes cross `fabric_Bps`, all domain bytes
@@ -548,10 +547,15 @@ def _in_run_order(msgs: Messages, span: int) -> Messages:
                     **cols)
 
 
-def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, send_work,
-                      recv_work, prep, watch: int, ring_recv: str = "runs",
-                      n_src: int = 0, send_copy=None):
+def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, base, send_copy,
+                      recv_copy, prep, watch: int, ring_recv: str = "runs", n_src: int = 0):
     """Every process's program in the global key order (see the module docstring).
+
+    Each process has a host clock and, with `host_overlap`, a GPU stream clock: the host pays a
+    bucket end's step and queues its copy on the stream; before it waits for anything it waits
+    for its ring copies' events (`RingChannel.flush`), and a network group starts no sooner
+    than the stream work queued before it (NCCL waits for the current stream).
+    Without `host_overlap` the copies are host work.
 
     Returns each process's finishing time and, for process `watch`, per round: (first start,
     last end, [NIC out, NIC in, NVLink out, NVLink in] bytes, CPU work, link seconds)."""
@@ -560,10 +564,13 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, send
     packed_only = cluster.per_item_min_bytes is None
     nic, nvl, lat = cluster.nic_Bps, cluster.nvlink_Bps, cluster.latency_s
     ring_lat = cluster.ring_latency_s
-    cpu = [float(x) for x in prep]               # each process's program clock
+    overlap = cluster.host_overlap
+    cpu = [float(x) for x in prep]               # each process's host clock
+    gpu = list(cpu)                               # its stream (= the host clock without overlap)
+    ev = [0.0] * world                            # when its last ring copy is done (its event)
     nccl = [0.0] * world                          # when its previous network group ends
     nv_s, nv_r = [0.0] * world, [0.0] * world
-    inflight = [deque() for _ in range(world)]    # (end, buffers, messages, unpack s, (round, slot), seq)
+    inflight = [deque() for _ in range(world)]    # (end, buffers, messages, rows received, (round, slot), seq)
     used_buf, used_msg = [0] * world, [0] * world
     seq_next, seq_done = [0] * world, [-1] * world
     rnd, order, path = msgs.round.tolist(), msgs.order.tolist(), msgs.path.tolist()
@@ -574,35 +581,51 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, send
     per_item = [False] * len(rnd) if packed_only else msgs.per_item.tolist()
     staged_s = (msgs.strided_send + msgs.contig_send).tolist()
     staged_r = (msgs.strided_recv + msgs.contig_recv).tolist()
-    sw, rw = send_work.tolist(), recv_work.tolist()
+    bs, sc, rc = base.tolist(), send_copy.tolist(), recv_copy.tolist()
     over_link = cluster.pack_over_link
-    overlap = cluster.host_overlap
-    sc = send_copy.tolist() if over_link else None
     recv_seq = [-1] * len(rnd)
     arrived = [0.0] * world                       # ring buckets taken as ready: last unpacked
     rings_in_order = ring_recv == "in_order"
     in_runs = ring_recv == "runs"
-    deferred = [[] for _ in range(world)]         # runs: (arrival, unpack s) not yet taken
+    deferred = [[] for _ in range(world)]         # runs: (arrival, row) not yet taken
     rows: dict = {}
+
+    def work(p, step, copy, ring=False):
+        # the host's step, then the copy (on the stream with overlap)
+        if overlap:
+            cpu[p] += step
+            gpu[p] = max(gpu[p], cpu[p]) + copy
+            if ring:
+                ev[p] = gpu[p]
+        else:
+            cpu[p] += step + copy
+            gpu[p] = cpu[p]
+
+    def block(p, t):
+        # the host waits for `t`, first for its ring copies' events (the executor flushes
+        # them before it waits)
+        if t > cpu[p]:
+            cpu[p] = max(ev[p], t)
 
     def take_ready(p):
         # runs: take the ring buckets that arrived by the process's clock
         d = deferred[p]
         if d:
             keep = []
-            for a, w in d:
+            for a, m in d:
                 if a <= cpu[p]:
-                    cpu[p] += w
+                    work(p, bs[m], rc[m], True)
                 else:
-                    keep.append((a, w))
+                    keep.append((a, m))
             deferred[p] = keep
 
     def end_run(p):
         # runs: the run ends once every ring bucket it takes has arrived and is unpacked
         d = deferred[p]
         if d:
-            for a, w in sorted(d):
-                cpu[p] = max(cpu[p], a) + w
+            for a, m in sorted(d):
+                block(p, a)
+                work(p, bs[m], rc[m], True)
             d.clear()
 
     def note(i, start, end, kind, own_work, link_s):
@@ -615,8 +638,10 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, send
         row[4] += link_s
 
     def pop(p):
-        end, buf, n, unpack, _, seq = inflight[p].popleft()
-        cpu[p] = max(cpu[p], end) + unpack
+        end, buf, n, received, _, seq = inflight[p].popleft()
+        block(p, end)
+        for m in received:
+            work(p, bs[m], rc[m])
         used_buf[p] -= buf
         used_msg[p] -= n
         seq_done[p] = seq
@@ -641,21 +666,19 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, send
                 for p, sending in ((snd[m], True), (rcv[m], False)):
                     e = parts.get(p)
                     if e is None:
-                        e = parts[p] = [0, 0, 0.0, 0.0]
+                        e = parts[p] = [0, 0, [], []]
                     staged = staged_s[m] if sending else staged_r[m]
                     e[0] += 1 if (not per_item[m] or staged) else 0
                     e[1] += items[m] if per_item[m] else 1
-                    if sending:
-                        e[2] += sw[m]
-                    else:
-                        e[3] += rw[m]
+                    e[2 if sending else 3].append(m)
             start = {}
-            for p, (buf, cnt, pack, _) in parts.items():
+            for p, (buf, cnt, sent, _) in parts.items():
                 end_run(p)
                 while inflight[p] and (used_buf[p] + buf > W or used_msg[p] + cnt > max_msgs):
                     pop(p)
-                cpu[p] += pack
-                start[p] = max(cpu[p], nccl[p])
+                for m in sent:
+                    work(p, bs[m], sc[m])
+                start[p] = max(cpu[p], gpu[p], nccl[p])
             # a group's messages progress together, sharing each NIC direction: a message
             # ends once both its ends are posted and its own bytes have moved, and no sooner
             # than its sender's and its receiver's bytes of the group could have
@@ -671,12 +694,12 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, send
                          start[r] + in_load[r] / nic)
                 end[s], end[r] = max(end[s], t1), max(end[r], t1)
                 if s == watch:
-                    note(m, t0, t1 + lat, 0, sw[m], t1 - t0)
+                    note(m, t0, t1 + lat, 0, bs[m] + sc[m], t1 - t0)
                 if r == watch:
-                    note(m, t0, t1 + lat, 1, rw[m], t1 - t0)
-            for p, (buf, cnt, _, unpack) in parts.items():
+                    note(m, t0, t1 + lat, 1, bs[m] + rc[m], t1 - t0)
+            for p, (buf, cnt, _, received) in parts.items():
                 ge = nccl[p] = end[p] + lat
-                inflight[p].append((ge, buf, cnt, unpack, (rnd[i], slot[i]), seq_next[p]))
+                inflight[p].append((ge, buf, cnt, received, (rnd[i], slot[i]), seq_next[p]))
                 used_buf[p] += buf
                 used_msg[p] += cnt
                 seq_next[p] += 1
@@ -697,50 +720,55 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, send
                 while inflight[s] and inflight[s][0][4] < before:
                     pop(s)
         if path[i] == PATH_CODE[DOMAIN]:
-            # a ring: the sender packs into the receiver's slot over the link and waits for it;
-            # the receiver unpacks once the slot is there
+            # a ring: the sender packs into the receiver's slot over the link (and waits for
+            # it unless `host_overlap`); the receiver unpacks once the slot is there
             if in_runs:
                 take_ready(s)
-            if over_link and overlap:   # the sender goes on; the slot is published later
-                t0 = max(cpu[s], nv_s[s], nv_r[r])
-                nv_s[s] = nv_r[r] = cpu[s] = t0 + max(nbytes[i] / nvl, sw[i])
-                t1 = cpu[s] + ring_lat
+            if over_link:               # the packing is the transfer
+                cpu[s] += bs[i]
+                t0 = max(cpu[s], gpu[s], nv_s[s], nv_r[r])
+                t1 = t0 + max(nbytes[i] / nvl, sc[i])
+                if overlap:             # published at the sender's poll of its event
+                    nv_s[s] = nv_r[r] = gpu[s] = ev[s] = t1
+                    t1 += ring_lat
+                else:                   # the sender waits for its stream, then publishes
+                    t1 += ring_lat
+                    nv_s[s] = nv_r[r] = cpu[s] = gpu[s] = t1
             else:
-                if over_link:           # the packing is the transfer
-                    t0 = max(cpu[s] + sw[i] - sc[i], nv_s[s], nv_r[r])
-                    t1 = t0 + max(nbytes[i] / nvl, sc[i]) + ring_lat
-                else:
-                    t0 = max(cpu[s] + sw[i], nv_s[s], nv_r[r])
-                    t1 = t0 + nbytes[i] / nvl + ring_lat
-                nv_s[s] = nv_r[r] = cpu[s] = t1
+                work(s, bs[i], sc[i])
+                t0 = max(gpu[s], nv_s[s], nv_r[r])
+                t1 = t0 + nbytes[i] / nvl + ring_lat
+                nv_s[s] = nv_r[r] = cpu[s] = gpu[s] = t1
             if s == watch:
-                note(i, t0, t1, 2, sw[i], t1 - t0)
+                note(i, t0, t1, 2, bs[i] + sc[i], t1 - t0)
             if in_runs:
                 # the executor's runs of ring steps: taken now if there, else once the
                 # process's other ready work of the run is done (see `end_run`)
                 take_ready(r)
                 if t1 <= cpu[r]:
-                    cpu[r] += rw[i]
+                    work(r, bs[i], rc[i], True)
                 else:
-                    deferred[r].append((t1, rw[i]))
+                    deferred[r].append((t1, i))
             elif rings_in_order:
-                cpu[r] = max(cpu[r], t1) + rw[i]
+                block(r, t1)
+                work(r, bs[i], rc[i], True)
             else:                                   # what-if: taken whenever it is there
-                cpu[r] += rw[i]
-                arrived[r] = max(arrived[r], t1 + rw[i])
+                work(r, bs[i], rc[i], True)
+                arrived[r] = max(arrived[r], t1 + bs[i] + rc[i])
             if r == watch:
-                note(i, t0, max(cpu[r], t1 + rw[i]), 3, rw[i], t1 - t0)
+                note(i, t0, max(cpu[r], gpu[r], t1 + rc[i]), 3, bs[i] + rc[i], t1 - t0)
         else:                                       # a local copy
             end_run(s)
             end_run(r)
-            cpu[s] += sw[i]
-            cpu[r] = max(cpu[r], cpu[s]) + rw[i]
+            work(s, bs[i], sc[i])
+            block(r, gpu[s])
+            work(r, bs[i], rc[i])
         i += 1
     for p in range(world):
         end_run(p)
         while inflight[p]:
             pop(p)
-    return np.maximum(np.array(cpu), np.array(arrived)), rows
+    return np.maximum(np.maximum(np.array(cpu), np.array(gpu)), np.array(arrived)), rows
 
 
 def gather_broadcast_seconds(plan: Plan, cluster: Cluster,

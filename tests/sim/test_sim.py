@@ -65,17 +65,20 @@ def test_two_round_pipeline_by_hand():
 
 
 @pytest.mark.parametrize("step_ms", [0.5, 2.0])
-def test_host_overlap_charges_the_longer_of_step_and_copy(step_ms):
-    """The pipeline above with a host step per bucket end: without host overlap pack and
-    unpack each cost step + copy (1 ms); with it (the host issues the copy and goes on) the
-    longer of the two."""
-    cl = BARE.with_(nic_Bps=1 * GB, contig_copy_Bps=4 * GB, step_s=step_ms * 1e-3)
+def test_host_overlap_by_hand(step_ms):
+    """Two 4 MB buckets, one pair, transfers instant: a bucket end is a host step s and a copy
+    c = 1 ms. Without host overlap every end costs s + c in turn: pack 0, pack 1, unpack 1
+    after unpack 0, 3 (s + c). With it the host issues each copy and goes on: the copies queue
+    on the stream, the receiver's first unpack starts at s + c (after pack 0) and its second
+    once pack 1 is done and unpack 0's copy is: 2 (s + c) + max(s, c)."""
+    s, c = step_ms * 1e-3, 1e-3
+    cl = BARE.with_(nic_Bps=1e9 * GB, contig_copy_Bps=4 * GB, step_s=s)
     p = _two_buckets()
     serial = simulate(p, cl, bucket_bytes=4_000_000, window=2).predicted_s
     overlap = simulate(p, cl.with_(host_overlap=True), bucket_bytes=4_000_000,
                        window=2).predicted_s
-    assert serial == pytest.approx(2 * (step_ms + 1) * 1e-3 + 8e-3)
-    assert overlap == pytest.approx(2 * max(step_ms, 1) * 1e-3 + 8e-3)
+    assert serial == pytest.approx(3 * (s + c), rel=1e-6)
+    assert overlap == pytest.approx(2 * (s + c) + max(s, c), rel=1e-6)
 
 
 def _forwarding_plan():
@@ -293,8 +296,10 @@ def test_ring_receive_orders():
         runs = simulate(p, cl, 1 << 20, "exact")
         in_order = simulate(p, cl, 1 << 20, "exact", ring_recv="in_order")
         as_ready = simulate(p, cl, 1 << 20, "exact", ring_recv="as_ready")
-        # (within one ring latency: with host overlap a slot's publish trails its copy)
-        assert as_ready.bound_s <= as_ready.predicted_s <= runs.predicted_s + cl.ring_latency_s
+        # (with host overlap the what-if's copies queue on the stream before their buckets
+        # arrive, which can cost the posts behind them a little: within 1%)
+        assert as_ready.bound_s <= as_ready.predicted_s <= runs.predicted_s * (
+            1.01 if cl.host_overlap else 1 + 1e-9)
         assert runs.predicted_s <= in_order.predicted_s * (1 + 1e-9)
     with pytest.raises(ValueError, match="ring_recv"):
         simulate(p, BARE, 1 << 20, ring_recv="whenever")

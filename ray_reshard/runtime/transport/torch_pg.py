@@ -138,6 +138,9 @@ class PendingGroup:
         for p in self.parts:
             p.wait(deadline, what)
 
+    def is_completed(self) -> bool:
+        return all(p.is_completed() for p in self.parts)
+
 
 class _BoundPG:
     """A torch process group whose operations return :class:`Pending` of the owning group."""
