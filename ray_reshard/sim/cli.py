@@ -68,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a bucket end's regions copied by one launch (on: no cost per item; "
                          "default: the cluster's)")
     ap.add_argument("--host-overlap", choices=("on", "off"), default=None,
-                    help="the host issues copies while the GPU runs earlier ones (on: a bucket "
-                         "end costs the longer of step and copy; default: the cluster's)")
+                    help="the host issues copies while the GPU runs earlier ones (on: steps on the "
+                         "host's clock, copies on the stream's; default: the cluster's)")
     ap.add_argument("--timeline", default=None, help="rank whose timeline to show, e.g. dst:0 "
                                                      "(default: the one with the busiest link)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")

@@ -70,8 +70,8 @@ class Cluster:
     pack_over_link: bool = False        # a ring sender packs straight into the receiver's slot
                                         # over the link (CUDA IPC): copy and transfer are one
     host_overlap: bool = False          # the host issues a copy and goes on while the GPU runs
-                                        # it (a ring slot published on its event): a bucket end
-                                        # costs the longer of host step and copy, not the sum
+                                        # it (a ring slot published on its event): steps on the
+                                        # host's clock, copies on the stream's
 
     def __post_init__(self):
         if self.gpus_per_domain < 1:

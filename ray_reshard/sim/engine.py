@@ -4,22 +4,24 @@ Model
 -----
 Every process runs its share of the schedule in the order the executor runs it (the global
 key order, `plan.run_order` where network groups span several rotations); the simulator walks
-that order once and keeps per process a program clock (its CPU, or on GPU its stream), the end
-of its last network group, and its network groups in flight:
+that order once and keeps per process a host clock, a stream clock (with `host_overlap`; else
+the host does the copies and the two are one), the end of its last network group, and its
+network groups in flight:
 
 * network buckets are posted in groups: a run of keys with the same round and the same span of
   `window // 2` rotations (on a CPU cluster, a bucket whose items all travel as their own
   messages is its own group). Posting needs a staging buffer per packed bucket; with `window`
   buffers (or `4 * window` messages) in use the process first completes its oldest group, then
-  unpacks it. Packing runs on the process's clock before the post;
+  unpacks it. Packing runs before the post, and the group starts no sooner than the stream
+  work queued before it (NCCL waits for the current stream);
 * a process's groups run one after another (one NCCL stream), a group starts once its process
   posted it and the previous one ended; its messages move together: each ends once both its
   ends' groups started and its bytes moved, no sooner than its sender's (receiver's) bytes of
   the group could leave (arrive) at the NIC's rate; a group ends with its last message plus
   one `latency_s`;
-* a domain (ring) bucket is packed by its sender into the receiver's slot (the sender waits for
-  it, unless `host_overlap`: NVLink send and receive ports of both ends are busy meanwhile,
-  and it arrives `ring_latency_s` after;
+* a domain (ring) bucket is packed by its sender into the receiver's slot (the sender's host
+  waits for it unless `host_overlap`; NVLink send and receive ports of both ends are busy
+  meanwhile, and it arrives `ring_latency_s` after;
   with `pack_over_link`, GPU clusters, the packing copy is the link transfer, else it comes
   first). The receiver takes it as the executor does (`ring_recv="runs"`): within a run of
   consecutive ring steps of its program, at once when it has arrived by the time the process
@@ -34,11 +36,11 @@ of its last network group, and its network groups in flight:
   by one copy-table launch (`copy_tables`, GPU clusters), plus `message_s` per message where
   items travel as their own messages, plus its copies: bytes of strided regions at
   `copy_Bps`, of contiguous regions at `contig_copy_Bps`; network items in place (CPU wire
-  format, `per_item_min_bytes`) copy nothing. With `host_overlap` (GPU clusters) the host
-  issues a copy and goes on while the GPU runs it (stream order; a ring slot is published
-  once its copy's event is done, `ring_latency_s` later), so a bucket end costs the longer
-  of its host step and its copy, and a ring sender does not wait for its slot to be
-  published. Every process first checks its local tensors
+  format, `per_item_min_bytes`) copy nothing. With `host_overlap` (GPU clusters) the step
+  is host time and the copy stream time: the host issues the copy and goes on (a ring slot
+  is published once its copy's event is done), and before it waits for anything (a network
+  group not yet ended, a ring bucket not yet there) it waits for its ring copies' events, as
+  the executor flushes them. Every process first checks its local tensors
   (`tensor_s` each: a refit checks each local tensor the shards live in, e.g. one fused
   tensor for all of a layer's experts) and its view table (`shard_s` per shard).
 
