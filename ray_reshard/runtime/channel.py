@@ -20,6 +20,10 @@ from .transport import torch_pg
 class Channel:
     """post / complete / abort: the one interface the executor uses for every transport."""
 
+    # Whether `done` answers and `complete` may be called with a short deadline and again
+    # after it raised TransportTimeout (NCCL); else a wait is one blocking call (gloo).
+    polls = False
+
     def post(self, peer: int, tensor: torch.Tensor, sending: bool) -> Any:
         raise NotImplementedError
 
@@ -46,6 +50,7 @@ class NetChannel(Channel):
 
     def __init__(self, pg):
         self.pg = pg
+        self.polls = getattr(pg, "pg_backend", "gloo") == "nccl"
 
     def post(self, peer, tensor, sending):
         return self.pg.isend(tensor, peer) if sending else self.pg.irecv(tensor, peer)

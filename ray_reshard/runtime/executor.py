@@ -26,7 +26,12 @@ does not wait for one forwarder while another's bucket sits ready. On CUDA IPC r
 does not wait for its copy: the slot is published (freed) once the copy's events are done
 (`RingChannel.poll` after each pass over a run's peers), and the process flushes them before it
 waits for anything (a peer's ring, a network message, the end of the program), so the host
-issues the next copy while the GPU runs this one and no peer waits on a slot held back. What a forwarder passes to
+issues the next copy while the GPU runs this one and no peer waits on a slot held back. Where
+network waits can be sliced (NCCL: `Channel.polls`), a run does not wait for ring receives
+that are not there yet: once only those are left it goes on, and takes them as soon as they
+are ready (before each network post, while it waits for network messages, in the next run,
+at the latest at the end), so a late peer holds up neither this process's network transfers
+nor its other peers. What a forwarder passes to
 one target out of a segment of a round's rotations is merged into few buckets, sent only once
 the network buckets that brought it in have completed; they sort into the next segment, spread
 over its rotations (`plan.forward_key`), so its network receives are in flight meanwhile.
@@ -43,6 +48,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..errors import TransportTimeout
 from ..planning.plan import default_window, gc_paused
 from ..planning.planner import NETWORK
 from ..execution.program import COPY, SEND, Program
@@ -114,13 +120,38 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
     sent = recv = 0
     clock = {"pack": 0.0, "unpack": 0.0, "wait": 0.0, "bind": t_bind}
     peak_staged = [0, 0]         # now, peak
+    # Ring receives a run left behind (not there yet), per (peer, False): taken whenever
+    # ready from then on; only where network waits can be sliced (NCCL), see the docstring.
+    carried: dict = {}
+    may_carry = rings is not None and net.polls
+    left_behind = 0              # ring receives runs left behind (counted per run)
+
+    def take_carried():
+        for key in list(carried):
+            q = carried[key]
+            while q and rings.ready(*key):
+                ring_step(q.popleft()[1])
+            if not q:
+                del carried[key]
+        rings.poll()
 
     def wait_one():
         handle, s, is_recv, si, after = pending.popleft()
         t0 = now()
+        what = f"{'recv from' if is_recv else 'send to'} process {s.peer}"
+        if carried:
+            take_carried()
         if rings is not None and not net.done(handle):
             rings.flush()       # no peer may wait on a ring slot while this process waits
-        net.complete(handle, deadline, f"{'recv from' if is_recv else 'send to'} process {s.peer}")
+            while carried:      # nor on a ring receive left behind here
+                take_carried()
+                try:
+                    net.complete(handle, min(deadline, time.monotonic() + 1e-3), what)
+                    break
+                except TransportTimeout:
+                    if time.monotonic() >= deadline:
+                        raise
+        net.complete(handle, deadline, what)
         t1 = now()
         clock["wait"] += t1 - t0
         if after is not None:
@@ -184,7 +215,9 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
             afters = {st.after for st in run if st.after is not None}
             while pending and not afters <= done:
                 wait_one()
-            _run_rings(run, rings, ring_step)
+            _run_rings([(i + k, st) for k, st in enumerate(run)], rings, ring_step, carried,
+                       may_carry)
+            left_behind += sum(len(q) for q in carried.values())
             i = j
             continue
         if s.per_item:
@@ -210,6 +243,8 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
                 msgs = [m if m is not None else slots[k] for k, m in enumerate(msgs)]
             while len(pending) >= max_in_flight:
                 wait_one()
+            if carried:
+                take_carried()
             left[s.key] = 1
             handle = net.post_group([(s.peer, m, sending) for m in msgs])
             pending.append((handle, s, not sending, si, after))
@@ -225,6 +260,8 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
             batch = steps[i:j]
             while len(pending) >= max_in_flight:
                 wait_one()
+            if carried:
+                take_carried()
             ops, entries = [], []
             for st in batch:
                 st_sending = st.kind == SEND
@@ -251,13 +288,15 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
                 moved[st.path] += st.nbytes
     while pending:
         wait_one()
+    if carried:
+        _run_rings([], rings, ring_step, carried, False)
     if rings is not None:
         rings.flush()
     if tr.device.type == "cuda":
         torch.cuda.synchronize(tr.device)
     return {"bytes_by_path": moved, "sent_bytes": sent, "recv_bytes": recv,
             "peak_staging_bytes": peak_staged[1] * staging.nbytes, "transfers": len(prog.steps),
-            "parts_rebuilt": rebuilt, "clock": clock}
+            "parts_rebuilt": rebuilt, "clock": clock, "ring_recvs_left_behind": left_behind}
 
 
 def _on_ring(s, rings) -> bool:
@@ -265,15 +304,21 @@ def _on_ring(s, rings) -> bool:
             and rings.has(s.peer, s.kind == SEND))
 
 
-def _run_rings(run: list, rings: RingChannel, do: Callable) -> None:
-    """Do a run of ring steps: each (peer, direction) in program order, and any whose ring is
-    ready first; when none is, the earliest step left, waiting for it. Deadlock-free as the
-    strict order is: the earliest unfinished ring transfer of the whole group is, on both of
-    its ends, either ready or the earliest step left in a run. Deferred commits and releases
-    (CUDA IPC) are polled after each pass and flushed before waiting."""
-    queues: dict = {}
-    for n, st in enumerate(run):
-        queues.setdefault((st.peer, st.kind == SEND), deque()).append((n, st))
+def _run_rings(run: list, rings: RingChannel, do: Callable, carried: dict,
+               may_carry: bool) -> None:
+    """Do a run of ring steps, `run` = [(index in the program, step)], after the receives
+    `carried` over from earlier runs ({(peer, False): deque of the same}, taken first on their
+    ring): each (peer, direction) in program order, and any whose ring is ready first; when
+    none is, the earliest step left, waiting for it, unless `may_carry` and only receives are
+    left: those stay in `carried` for later. Deadlock-free as the strict order is: the
+    earliest unfinished ring transfer of the whole group is, on both of its ends, either
+    ready, the earliest step a run waits for, or a carried receive that the process takes as
+    soon as it is ready (between network posts and while waiting for them). Deferred
+    commits and releases (CUDA IPC) are polled after each pass and flushed before waiting."""
+    queues: dict = {key: q for key, q in carried.items()}
+    carried.clear()
+    for idx, st in run:
+        queues.setdefault((st.peer, st.kind == SEND), deque()).append((idx, st))
     while queues:
         progressed = False
         for key in list(queues):
@@ -285,6 +330,9 @@ def _run_rings(run: list, rings: RingChannel, do: Callable) -> None:
                 del queues[key]
         rings.poll()
         if not progressed and queues:
+            if may_carry and not any(sending for _, sending in queues):
+                carried.update(queues)
+                return
             rings.flush()       # nothing ready: publish ours before waiting on a peer
             if any(rings.ready(*k) for k in queues):
                 continue

@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--host-overlap", choices=("on", "off"), default=None,
                     help="the host issues copies while the GPU runs earlier ones (on: steps on the "
                          "host's clock, copies on the stream's; default: the cluster's)")
+    ap.add_argument("--ring-carry", choices=("on", "off"), default=None,
+                    help="a run of ring steps leaves receives not there yet behind, taken once "
+                         "ready (on: NCCL's executor; default: the cluster's)")
     ap.add_argument("--timeline", default=None, help="rank whose timeline to show, e.g. dst:0 "
                                                      "(default: the one with the busiest link)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -94,7 +97,8 @@ def run(args, variants: Optional[dict] = None) -> dict:
         shard_s=None if args.shard_us is None else args.shard_us * 1e-6,
         step_s=None if args.step_us is None else args.step_us * 1e-6,
         copy_tables=None if args.copy_tables is None else args.copy_tables == "on",
-        host_overlap=None if args.host_overlap is None else args.host_overlap == "on")
+        host_overlap=None if args.host_overlap is None else args.host_overlap == "on",
+        ring_carry=None if args.ring_carry is None else args.ring_carry == "on")
     if args.window is not None and not 1 <= args.window <= 16:
         raise ValueError(f"--window must be in 1..16, got {args.window}")
     if args.bucket_mb <= 0:

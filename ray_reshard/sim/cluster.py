@@ -69,6 +69,8 @@ class Cluster:
     broadcast: str = "ring"             # "ring": pipelined (NCCL); "flat": root sends each copy (gloo)
     pack_over_link: bool = False        # a ring sender packs straight into the receiver's slot
                                         # over the link (CUDA IPC): copy and transfer are one
+    ring_carry: bool = False            # a run of ring steps leaves receives not there yet
+                                        # behind, taken once ready (NCCL: sliceable waits)
     host_overlap: bool = False          # the host issues a copy and goes on while the GPU runs
                                         # it (a ring slot published on its event): steps on the
                                         # host's clock, copies on the stream's
@@ -112,6 +114,8 @@ class Cluster:
             s += ", ring senders pack over the link"
         if self.host_overlap:
             s += ", host steps overlap the GPU's copies"
+        if self.ring_carry:
+            s += ", late ring receives left behind by their run"
         if self.cpu_cores:
             s += f", all ranks on {self.cpu_cores} CPU cores"
         if self.fabric_Bps:
@@ -126,13 +130,13 @@ PRESETS = {
     "dgx-h100": Cluster("dgx-h100", 8, 450 * GB, 400 / 8 * GB, latency_s=20e-6,
                         item_s=REPLAY_ITEM_S, step_s=MEASURED_STEP_S + LAUNCH_S,
                         shard_s=MEASURED_SHARD_S, copy_tables=True, pack_over_link=True,
-                        host_overlap=True),
+                        host_overlap=True, ring_carry=True),
     # GB200 NVL72: 72 GPUs in one NVLink 5 domain (1.8 TB/s bidirectional per GPU), one
     # 400 Gb/s ConnectX-7 per GPU to the scale-out fabric.
     "gb200-nvl72": Cluster("gb200-nvl72", 72, 900 * GB, 400 / 8 * GB, latency_s=20e-6,
                            item_s=REPLAY_ITEM_S, step_s=MEASURED_STEP_S + LAUNCH_S,
                            shard_s=MEASURED_SHARD_S, copy_tables=True, pack_over_link=True,
-                           host_overlap=True),
+                           host_overlap=True, ring_carry=True),
     # This machine's two simulated nodes (every rank shares 2 CPU cores): gloo over loopback as
     # the network, shared-memory rings as the domain links (their rate without the copies,
     # which are CPU work). Figures measured by

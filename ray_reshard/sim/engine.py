@@ -21,12 +21,15 @@ network groups in flight:
   one `latency_s`;
 * a domain (ring) bucket is packed by its sender into the receiver's slot (the sender's host
   waits for it unless `host_overlap`; NVLink send and receive ports of both ends are busy
-  meanwhile, and it arrives `ring_latency_s` after;
+  meanwhile: it takes the earliest time both are free for long enough, gaps left between
+  transfers replayed earlier included, and it arrives `ring_latency_s` after;
   with `pack_over_link`, GPU clusters, the packing copy is the link transfer, else it comes
   first). The receiver takes it as the executor does (`ring_recv="runs"`): within a run of
   consecutive ring steps of its program, at once when it has arrived by the time the process
   reaches it, else after the run's other ready work, and the run ends once all have arrived and
-  are unpacked. `"in_order"` takes each strictly when reached, in key order; the what-if
+  are unpacked (with `ring_carry`, NCCL clusters, it ends without the receives not there yet,
+  which are taken as they arrive while the process waits for network messages, or at its next
+  ring step or post after they arrived). `"in_order"` takes each strictly when reached, in key order; the what-if
   `"as_ready"` whenever it is there, without holding up the rest of the program;
 * forwarded buckets (what a forwarder passes to one target out of the network buckets of a
   segment of a round's rotations, merged) sort into the next segment, spread over its
@@ -549,6 +552,50 @@ def _in_run_order(msgs: Messages, span: int) -> Messages:
                     **cols)
 
 
+class Link:
+    """One direction of a GPU's NVLink port: its busy intervals, sorted and disjoint. A transfer
+    takes the earliest gap long enough at or after it is ready (a link carries whatever is
+    ready; the replay's order reserves nothing)."""
+
+    __slots__ = ("starts", "ends")
+
+    def __init__(self):
+        self.starts: list = []
+        self.ends: list = []
+
+    def free_from(self, t: float, d: float) -> float:
+        starts, ends = self.starts, self.ends
+        i = bisect.bisect_right(ends, t)
+        while i < len(starts) and starts[i] < t + d:
+            t = max(t, ends[i])
+            i += 1
+        return t
+
+    def book(self, t: float, d: float) -> None:
+        e = t + d
+        starts, ends = self.starts, self.ends
+        i = bisect.bisect_left(starts, t)
+        if i > 0 and ends[i - 1] >= t - 1e-12:         # joins the interval before
+            i -= 1
+            t, e = starts[i], max(e, ends[i])
+            del starts[i], ends[i]
+        if i < len(starts) and starts[i] <= e + 1e-12:  # and the one after
+            e = max(e, ends[i])
+            del starts[i], ends[i]
+        starts.insert(i, t)
+        ends.insert(i, e)
+
+
+def earliest_free(a: Link, b: Link, t: float, d: float) -> float:
+    """The earliest time at or after `t` when both links are free for `d`."""
+    while True:
+        ta = a.free_from(t, d)
+        tb = b.free_from(ta, d)
+        if tb == ta:
+            return ta
+        t = tb
+
+
 def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, base, send_copy,
                       recv_copy, prep, watch: int, ring_recv: str = "runs", n_src: int = 0):
     """Every process's program in the global key order (see the module docstring).
@@ -567,11 +614,12 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, base
     nic, nvl, lat = cluster.nic_Bps, cluster.nvlink_Bps, cluster.latency_s
     ring_lat = cluster.ring_latency_s
     overlap = cluster.host_overlap
+    carry = cluster.ring_carry and ring_recv == "runs"
     cpu = [float(x) for x in prep]               # each process's host clock
     gpu = list(cpu)                               # its stream (= the host clock without overlap)
     ev = [0.0] * world                            # when its last ring copy is done (its event)
     nccl = [0.0] * world                          # when its previous network group ends
-    nv_s, nv_r = [0.0] * world, [0.0] * world
+    nv_s, nv_r = [Link() for _ in range(world)], [Link() for _ in range(world)]
     inflight = [deque() for _ in range(world)]    # (end, buffers, messages, rows received, (round, slot), seq)
     used_buf, used_msg = [0] * world, [0] * world
     seq_next, seq_done = [0] * world, [-1] * world
@@ -641,6 +689,19 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, base
 
     def pop(p):
         end, buf, n, received, _, seq = inflight[p].popleft()
+        if carry and deferred[p]:
+            take_ready(p)
+        if carry and deferred[p] and end > cpu[p]:
+            # while it waits, it takes the ring receives left behind as they arrive
+            cpu[p] = max(cpu[p], ev[p])
+            keep = []
+            for a, m in sorted(deferred[p]):
+                if a <= end:
+                    cpu[p] = max(cpu[p], a)
+                    work(p, bs[m], rc[m], True)
+                else:
+                    keep.append((a, m))
+            deferred[p] = keep
         block(p, end)
         for m in received:
             work(p, bs[m], rc[m])
@@ -675,7 +736,10 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, base
                     e[2 if sending else 3].append(m)
             start = {}
             for p, (buf, cnt, sent, _) in parts.items():
-                end_run(p)
+                if carry:
+                    take_ready(p)
+                else:
+                    end_run(p)
                 while inflight[p] and (used_buf[p] + buf > W or used_msg[p] + cnt > max_msgs):
                     pop(p)
                 for m in sent:
@@ -728,19 +792,24 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, base
                 take_ready(s)
             if over_link:               # the packing is the transfer
                 cpu[s] += bs[i]
-                t0 = max(cpu[s], gpu[s], nv_s[s], nv_r[r])
-                t1 = t0 + max(nbytes[i] / nvl, sc[i])
+                d = max(nbytes[i] / nvl, sc[i])
                 if overlap:             # published at the sender's poll of its event
-                    nv_s[s] = nv_r[r] = gpu[s] = ev[s] = t1
+                    t0 = earliest_free(nv_s[s], nv_r[r], max(cpu[s], gpu[s]), d)
+                    gpu[s] = ev[s] = t1 = t0 + d
                     t1 += ring_lat
                 else:                   # the sender waits for its stream, then publishes
-                    t1 += ring_lat
-                    nv_s[s] = nv_r[r] = cpu[s] = gpu[s] = t1
+                    d += ring_lat
+                    t0 = earliest_free(nv_s[s], nv_r[r], max(cpu[s], gpu[s]), d)
+                    cpu[s] = gpu[s] = t1 = t0 + d
+                nv_s[s].book(t0, d)
+                nv_r[r].book(t0, d)
             else:
                 work(s, bs[i], sc[i])
-                t0 = max(gpu[s], nv_s[s], nv_r[r])
-                t1 = t0 + nbytes[i] / nvl + ring_lat
-                nv_s[s] = nv_r[r] = cpu[s] = gpu[s] = t1
+                d = nbytes[i] / nvl + ring_lat
+                t0 = earliest_free(nv_s[s], nv_r[r], gpu[s], d)
+                nv_s[s].book(t0, d)
+                nv_r[r].book(t0, d)
+                cpu[s] = gpu[s] = t1 = t0 + d
             if s == watch:
                 note(i, t0, t1, 2, bs[i] + sc[i], t1 - t0)
             if in_runs:
@@ -760,8 +829,9 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, base
             if r == watch:
                 note(i, t0, max(cpu[r], gpu[r], t1 + rc[i]), 3, bs[i] + rc[i], t1 - t0)
         else:                                       # a local copy
-            end_run(s)
-            end_run(r)
+            if not carry:
+                end_run(s)
+                end_run(r)
             work(s, bs[i], sc[i])
             block(r, gpu[s])
             work(r, bs[i], rc[i])

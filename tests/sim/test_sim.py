@@ -342,3 +342,19 @@ def test_packing_over_the_link_is_the_transfer():
                     ring_recv="as_ready")
     assert over.predicted_s < apart.predicted_s
     assert over.predicted_s >= over.bound_s
+
+
+def test_link_takes_the_earliest_gap():
+    """A transfer replayed later but ready earlier uses a gap left on the link; both links of
+    a transfer must be free together."""
+    from ray_reshard.sim.engine import Link, earliest_free
+    a, b = Link(), Link()
+    a.book(2.0, 1.0)                     # busy [2, 3)
+    assert a.free_from(0.0, 1.5) == 0.0 and a.free_from(0.0, 2.5) == 3.0
+    a.book(0.0, 1.5)                     # [0, 1.5) [2, 3)
+    assert a.free_from(0.5, 0.5) == 1.5 and a.free_from(0.5, 1.0) == 3.0
+    a.book(1.5, 0.5)                     # merges into [0, 3)
+    assert (a.starts, a.ends) == ([0.0], [3.0])
+    b.book(3.0, 2.0)                     # [3, 5)
+    assert earliest_free(a, b, 0.0, 1.0) == 5.0
+    assert earliest_free(b, a, 0.0, 1.0) == 5.0
