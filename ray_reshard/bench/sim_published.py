@@ -9,7 +9,8 @@ parallel size from the GPU count). `ours` uses the executor's CPU costs: per buc
 step and one copy-table launch (GPU presets), per tensor its view lookups; `per-item` copies
 each region on its own at the per-item cost `bench-replay` measured (copy tables off); `links`
 sets every CPU cost to zero (what the executor's ordering of the schedule takes when only links
-limit each step).
+limit each step). `--executor` prints each row with the executor's ring behaviours switched
+(`host_overlap`: ring copies on events; `ring_carry`: late ring receives left behind).
 """
 from __future__ import annotations
 
@@ -32,15 +33,45 @@ ROWS = [
 ]
 
 # The same plan with each region copied on its own (copy tables off), and with no CPU costs.
-VARIANTS = {"per_item": {"copy_tables": False, "step_s": 0.0},
-            "links": {"item_s": 0.0, "tensor_s": 0.0, "shard_s": 0.0, "step_s": 0.0}}
+NO_CPU = {"item_s": 0.0, "tensor_s": 0.0, "shard_s": 0.0, "step_s": 0.0}
+VARIANTS = {"per_item": {"copy_tables": False, "step_s": 0.0}, "links": NO_CPU}
+# `--executor`: the executor's ring behaviours on the GPU presets, each (ours, links).
+EXECUTOR = [("host waits for each ring copy, runs wait", {"host_overlap": False,
+                                                           "ring_carry": False}),
+            ("+ late receives left behind", {"host_overlap": False, "ring_carry": True}),
+            ("+ ring copies on events", {"host_overlap": True, "ring_carry": False}),
+            ("both (today)", {"host_overlap": True, "ring_carry": True})]
+
+
+def executor_table(rows) -> None:
+    """Per row, `ours / links` seconds with the executor's ring behaviours switched."""
+    print(f"{'#':>2} {'model':<12} " + " ".join(f"{name:>42}" for name, _ in EXECUTOR)
+          + f" {'bound s':>7}")
+    for i in rows:
+        _, model, train, infer, cluster, _, _ = ROWS[i]
+        variants = {}
+        for k, (_, changes) in enumerate(EXECUTOR):
+            variants[f"{k}"] = changes
+            variants[f"{k} links"] = {**changes, **NO_CPU}
+        o = run(build_parser().parse_args(["--model", model, "--train", train, "--infer", infer,
+                                           "--cluster", cluster]), variants)
+        v = o["variants"]
+        print(f"{i:>2} {model:<12} " + " ".join(
+            f"{v[str(k)]:>35.2f} / {v[f'{k} links']:.2f}" for k in range(len(EXECUTOR)))
+            + f" {o['bound_s']:>7.2f}", flush=True)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default=None, help="comma-separated row numbers (default: all)")
+    ap.add_argument("--executor", action="store_true",
+                    help="instead: each row with the executor's ring behaviours switched "
+                         "(ours / links seconds)")
     args = ap.parse_args(argv)
     pick = None if args.rows is None else {int(x) for x in args.rows.split(",")}
+    if args.executor:
+        executor_table([i for i in range(len(ROWS)) if pick is None or i in pick])
+        return 0
     head = (f"{'#':>2} {'published by':<30} {'model':<12} {'train -> infer':<52} "
             f"{'published':<26} {'ours s':>7} {'per-item s':>10} {'links s':>7} {'bound s':>7} "
             f"{'/bound':>6} {'direct s':>8} "
