@@ -43,20 +43,25 @@ EXECUTOR = [("host waits for each ring copy, runs wait", {"host_overlap": False,
             ("both (today)", {"host_overlap": True, "ring_carry": True})]
 
 
+def _args(i: int):
+    """The simulate arguments of row `i`."""
+    _, model, train, infer, cluster, _, _ = ROWS[i]
+    return build_parser().parse_args(["--model", model, "--train", train, "--infer", infer,
+                                      "--cluster", cluster])
+
+
 def executor_table(rows) -> None:
     """Per row, `ours / links` seconds with the executor's ring behaviours switched."""
     print(f"{'#':>2} {'model':<12} " + " ".join(f"{name:>42}" for name, _ in EXECUTOR)
           + f" {'bound s':>7}")
     for i in rows:
-        _, model, train, infer, cluster, _, _ = ROWS[i]
         variants = {}
         for k, (_, changes) in enumerate(EXECUTOR):
             variants[f"{k}"] = changes
             variants[f"{k} links"] = {**changes, **NO_CPU}
-        o = run(build_parser().parse_args(["--model", model, "--train", train, "--infer", infer,
-                                           "--cluster", cluster]), variants)
+        o = run(_args(i), variants)
         v = o["variants"]
-        print(f"{i:>2} {model:<12} " + " ".join(
+        print(f"{i:>2} {ROWS[i][1]:<12} " + " ".join(
             f"{v[str(k)]:>35.2f} / {v[f'{k} links']:.2f}" for k in range(len(EXECUTOR)))
             + f" {o['bound_s']:>7.2f}", flush=True)
 
@@ -81,8 +86,7 @@ def main(argv=None) -> int:
     for i, (who, model, train, infer, cluster, pub, other) in enumerate(ROWS):
         if pick is not None and i not in pick:
             continue
-        base = ["--model", model, "--train", train, "--infer", infer, "--cluster", cluster]
-        o = run(build_parser().parse_args(base), VARIANTS)
+        o = run(_args(i), VARIANTS)
         per_item, links = o["variants"]["per_item"], o["variants"]["links"]
         lay = f"{o['train']} -> {o['infer']}".replace("Megatron ", "").replace("vLLM ", "")
         print(f"{i:>2} {who:<30} {model:<12} {lay:<52} {pub:<26} {o['predicted_s']:>7.2f} "

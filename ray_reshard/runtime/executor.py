@@ -220,6 +220,8 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
             left_behind += sum(len(q) for q in carried.values())
             i = j
             continue
+        if carried:             # network steps: first what arrived of the receives left behind
+            take_carried()
         if s.per_item:
             # One message per item, posted as one group (both ends group the same step's
             # messages); items that cannot travel in place go through one staging buffer, at
@@ -243,8 +245,6 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
                 msgs = [m if m is not None else slots[k] for k, m in enumerate(msgs)]
             while len(pending) >= max_in_flight:
                 wait_one()
-            if carried:
-                take_carried()
             left[s.key] = 1
             handle = net.post_group([(s.peer, m, sending) for m in msgs])
             pending.append((handle, s, not sending, si, after))
@@ -260,8 +260,6 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
             batch = steps[i:j]
             while len(pending) >= max_in_flight:
                 wait_one()
-            if carried:
-                take_carried()
             ops, entries = [], []
             for st in batch:
                 st_sending = st.kind == SEND
@@ -315,7 +313,7 @@ def _run_rings(run: list, rings: RingChannel, do: Callable, carried: dict,
     ready, the earliest step a run waits for, or a carried receive that the process takes as
     soon as it is ready (between network posts and while waiting for them). Deferred
     commits and releases (CUDA IPC) are polled after each pass and flushed before waiting."""
-    queues: dict = {key: q for key, q in carried.items()}
+    queues = dict(carried)
     carried.clear()
     for idx, st in run:
         queues.setdefault((st.peer, st.kind == SEND), deque()).append((idx, st))

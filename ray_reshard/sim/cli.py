@@ -79,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _on(flag: Optional[str]) -> Optional[bool]:
+    """An on/off flag's value; None (not given) keeps the cluster's."""
+    return None if flag is None else flag == "on"
+
+
 def run(args, variants: Optional[dict] = None) -> dict:
     """Simulate as the parsed `args` say. `variants` {name: Cluster field changes}: also the
     reshard prediction on the same plan with the cluster changed so, in `out["variants"]`."""
@@ -96,9 +101,8 @@ def run(args, variants: Optional[dict] = None) -> dict:
         tensor_s=None if args.tensor_us is None else args.tensor_us * 1e-6,
         shard_s=None if args.shard_us is None else args.shard_us * 1e-6,
         step_s=None if args.step_us is None else args.step_us * 1e-6,
-        copy_tables=None if args.copy_tables is None else args.copy_tables == "on",
-        host_overlap=None if args.host_overlap is None else args.host_overlap == "on",
-        ring_carry=None if args.ring_carry is None else args.ring_carry == "on")
+        copy_tables=_on(args.copy_tables), host_overlap=_on(args.host_overlap),
+        ring_carry=_on(args.ring_carry))
     if args.window is not None and not 1 <= args.window <= 16:
         raise ValueError(f"--window must be in 1..16, got {args.window}")
     if args.bucket_mb <= 0:

@@ -427,16 +427,6 @@ def checks_per_process(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
     return local, shards
 
 
-def tensors_per_process(plan: Plan) -> np.ndarray:
-    """How many tensors (shards) each GPU (sources first, then destinations) sends or receives."""
-    return checks_per_process(plan)[1]
-
-
-def storages_per_process(plan: Plan) -> np.ndarray:
-    """How many local tensors those shards live in, per GPU (see `checks_per_process`)."""
-    return checks_per_process(plan)[0]
-
-
 def _link_names(n_src: int, world: int) -> list[str]:
     def who(g):
         return f"src {g}" if g < n_src else f"dst {g - n_src}"
@@ -657,6 +647,13 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, base
         if t > cpu[p]:
             cpu[p] = max(ev[p], t)
 
+    def on_links(s, r, t, d):
+        # the earliest start at or after `t` with both NVLink ports free for `d`, taken
+        t0 = earliest_free(nv_s[s], nv_r[r], t, d)
+        nv_s[s].book(t0, d)
+        nv_r[r].book(t0, d)
+        return t0
+
     def take_ready(p):
         # runs: take the ring buckets that arrived by the process's clock
         d = deferred[p]
@@ -689,7 +686,7 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, base
 
     def pop(p):
         end, buf, n, received, _, seq = inflight[p].popleft()
-        if carry and deferred[p]:
+        if carry:
             take_ready(p)
         if carry and deferred[p] and end > cpu[p]:
             # while it waits, it takes the ring receives left behind as they arrive
@@ -792,24 +789,19 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, base
                 take_ready(s)
             if over_link:               # the packing is the transfer
                 cpu[s] += bs[i]
+                ready = max(cpu[s], gpu[s])
                 d = max(nbytes[i] / nvl, sc[i])
-                if overlap:             # published at the sender's poll of its event
-                    t0 = earliest_free(nv_s[s], nv_r[r], max(cpu[s], gpu[s]), d)
-                    gpu[s] = ev[s] = t1 = t0 + d
-                    t1 += ring_lat
-                else:                   # the sender waits for its stream, then publishes
-                    d += ring_lat
-                    t0 = earliest_free(nv_s[s], nv_r[r], max(cpu[s], gpu[s]), d)
-                    cpu[s] = gpu[s] = t1 = t0 + d
-                nv_s[s].book(t0, d)
-                nv_r[r].book(t0, d)
             else:
                 work(s, bs[i], sc[i])
-                d = nbytes[i] / nvl + ring_lat
-                t0 = earliest_free(nv_s[s], nv_r[r], gpu[s], d)
-                nv_s[s].book(t0, d)
-                nv_r[r].book(t0, d)
-                cpu[s] = gpu[s] = t1 = t0 + d
+                ready = gpu[s]
+                d = nbytes[i] / nvl
+            if over_link and overlap:   # published at the sender's poll of its event
+                t0 = on_links(s, r, ready, d)
+                gpu[s] = ev[s] = t1 = t0 + d
+                t1 += ring_lat
+            else:                       # the sender waits for its stream, then publishes
+                t0 = on_links(s, r, ready, d + ring_lat)
+                cpu[s] = gpu[s] = t1 = t0 + d + ring_lat
             if s == watch:
                 note(i, t0, t1, 2, bs[i] + sc[i], t1 - t0)
             if in_runs:

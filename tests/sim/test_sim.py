@@ -200,7 +200,7 @@ def test_copy_tables_cost_per_bucket_end_not_per_item():
 def test_a_refit_checks_local_tensors_not_shards():
     """Shards living in one fused local tensor (a layer's experts) cost one check there."""
     from ray_reshard.layout.spec import Slot
-    from ray_reshard.sim.engine import storages_per_process, tensors_per_process
+    from ray_reshard.sim.engine import checks_per_process
     src = rr.Layout(rr.Mesh([0, 1]), (rr.Shard(0),))
     dst = rr.Layout(rr.Mesh([0, 1]), (rr.Shard(1),))
     specs = {f"e{k}": rr.TensorSpec((8, 8), torch.float32, src, dst,
@@ -208,8 +208,9 @@ def test_a_refit_checks_local_tensors_not_shards():
              for k in range(6)}
     specs["norm"] = rr.TensorSpec((8, 8), torch.float32, src, dst)
     p = rr.plan(specs, ["a", "a"], ["b", "b"])
-    assert tensors_per_process(p).tolist() == [7, 7, 7, 7]
-    assert storages_per_process(p).tolist() == [7, 7, 2, 2]
+    local, shards = checks_per_process(p)
+    assert shards.tolist() == [7, 7, 7, 7]
+    assert local.tolist() == [7, 7, 2, 2]
     base = simulate(p, BARE, 1 << 20, "exact")
     checked = simulate(p, BARE.with_(tensor_s=1e-3), 1 << 20, "exact")
     assert checked.cpu_s == pytest.approx(base.cpu_s + 7e-3)

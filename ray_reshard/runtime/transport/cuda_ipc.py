@@ -13,9 +13,9 @@ GPU ordering: ``commit_send`` publishes a slot only once the sender's current st
 device and of the buffer's device) have finished the copies into it, so the bytes are complete
 when the receiver sees the slot; ``release_recv`` frees a slot only once the receiver's current
 stream has finished reading it, so the sender cannot overwrite bytes still being read. Pass
-``stream=`` to either to mean a specific stream. Both wait for the stream at once, or with
-``defer=True`` record CUDA events and leave publishing (freeing) to a later ``poll`` (events
-done: never blocks) or ``flush`` (waits for them): the host goes on to its next copy while the
+``stream=`` to either to mean a specific stream. Both record CUDA events on those streams and
+wait for them at once (``flush``), or with ``defer=True`` leave publishing (freeing) to a later
+``poll`` (events done: never blocks) or ``flush``: the host goes on to its next copy while the
 GPU runs this one. Slots are published and freed in order, and a side that has to wait for the
 peer flushes its own first, so it never waits on a slot it holds itself.
 
@@ -216,18 +216,14 @@ class CudaIpcRing(_Segment):
     def commit_send(self, stream: Optional[torch.cuda.Stream] = None,
                     defer: bool = False) -> None:
         """Publish the slot once the copies into it (current streams, or `stream`) are done:
-        wait for them now, or with `defer` record events and publish at a later `poll` or
-        `flush` (slots are published in order)."""
+        wait for them now, or with `defer` publish at a later `poll` or `flush` (slots are
+        published in order)."""
         self._check_open()
         if self._send_idx is None:
             raise RuntimeError("commit_send without a preceding send_slot")
-        if defer:
-            self._commit(StreamMarker(self._streams(stream)))
-            return
-        self.flush()
-        for st in self._streams(stream):
-            st.synchronize()
-        self._commit(None)
+        self._commit(StreamMarker(self._streams(stream)))
+        if not defer:
+            self.flush()
 
     def recv_slot(self, deadline: float) -> torch.Tensor:
         """Wait for the next published slot; a uint8 GPU view of its bytes (valid until
@@ -243,17 +239,13 @@ class CudaIpcRing(_Segment):
     def release_recv(self, stream: Optional[torch.cuda.Stream] = None,
                      defer: bool = False) -> None:
         """Free the slot once the reads of it (current streams, or `stream`) are done: wait for
-        them now, or with `defer` record events and free it at a later `poll` or `flush`."""
+        them now, or with `defer` free it at a later `poll` or `flush`."""
         self._check_open()
         if self._recv_idx is None:
             raise RuntimeError("release_recv without a preceding recv_slot")
-        if defer:
-            self._finish_recv(StreamMarker(self._streams(stream)))
-            return
-        self.flush()
-        for st in self._streams(stream):
-            st.synchronize()
-        self._finish_recv(None)
+        self._finish_recv(StreamMarker(self._streams(stream)))
+        if not defer:
+            self.flush()
 
     def _drop_views(self) -> None:
         self._buf = None

@@ -526,13 +526,9 @@ class _Segment:
         if self._send_idx is None:
             raise RuntimeError("commit_send without a preceding send_slot")
         self._check_abort()
-        entry = (self._send_idx, self._send_n, done)
+        self._unpublished.append((self._send_idx, self._send_n, done))
         self._send_idx = None
-        if done is None and not self._unpublished:
-            self._publish(*entry[:2])
-        else:
-            self._unpublished.append(entry)
-            self.poll()
+        self.poll()
 
     def _publish(self, idx: int, n: int) -> None:
         self._store(_OFF_LENGTHS + 8 * idx, n)
@@ -561,11 +557,8 @@ class _Segment:
         if self._recv_idx is None:
             raise RuntimeError("release_recv without a preceding recv_slot")
         self._recv_idx = None
-        if done is None and not self._unreleased:
-            self._release()
-        else:
-            self._unreleased.append(done)
-            self.poll()
+        self._unreleased.append(done)
+        self.poll()
 
     def _release(self) -> None:
         self._store(_OFF_CONSUMED, self._load(_OFF_CONSUMED) + 1)
@@ -602,10 +595,7 @@ class _Segment:
         """Wait for every marker still pending (`synchronize()`), then publish and free."""
         if self._closed:
             return
-        for entry in self._unpublished:
-            if entry[2] is not None:
-                entry[2].synchronize()
-        for done in self._unreleased:
+        for done in [e[2] for e in self._unpublished] + list(self._unreleased):
             if done is not None:
                 done.synchronize()
         self.poll()
