@@ -18,6 +18,7 @@ import sys
 import time
 
 from .cli_args import Parser, add_refit_args, build_refit, describe, positive_int, progress
+from .planning.plan import DEFAULT_BUCKET_BYTES
 
 # subcommand -> (module, help); each module has add_args(parser) and run(args) -> int.
 BENCHES = {
@@ -69,7 +70,8 @@ def parser() -> Parser:
                        description="What a refit moves: bytes by path vs the lower bound vs "
                                    "gather-broadcast, busiest ranks, buckets, staging.")
     add_refit_args(p)
-    p.add_argument("--bucket-mb", type=positive_int, default=64, help="bucket size (default 64)")
+    p.add_argument("--bucket-mb", type=positive_int, default=DEFAULT_BUCKET_BYTES >> 20,
+                   help=f"bucket size (default {DEFAULT_BUCKET_BYTES >> 20})")
     p.add_argument("--png", metavar="DIR",
                    help="write tilings.png (one parameter) and domains.png (traffic heat map)")
     p.add_argument("--param", help="the parameter tilings.png draws (default: a telling one)")

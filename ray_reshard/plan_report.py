@@ -13,11 +13,8 @@ import math
 from collections import defaultdict
 from typing import Any, Optional
 
-from .planning.plan import DEFAULT_BUCKET_BYTES, Plan
+from .planning.plan import DEFAULT_BUCKET_BYTES, Plan, default_window
 from .planning.planner import NETWORK, PATHS
-
-STAGING_WINDOW = 2          # buckets a rank stages at once (the executor's double buffering)
-
 
 def traffic(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES, top: int = 3,
             progress=None, exact_buckets_up_to: int = 200_000) -> dict[str, Any]:
@@ -72,7 +69,8 @@ def traffic(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES, top: int = 3,
         "bucket_bytes": bucket_bytes,
         "buckets_by_path": buckets, "buckets_exact": exact,
         "pairs_by_path": {p: sum(1 for k in pairs if k[2] == p) for p in PATHS},
-        "peak_staging_bound_bytes": min(STAGING_WINDOW * bucket_bytes,
+        "staging_window": default_window(bucket_bytes),
+        "peak_staging_bound_bytes": min(default_window(bucket_bytes) * bucket_bytes,
                                         max(handled.values(), default=0)),
         "domains": {"src": [str(d) for d in src_doms], "dst": [str(d) for d in dst_doms]},
         "domain_network_bytes": matrix,
@@ -111,7 +109,7 @@ def render(t: dict, title: Optional[str] = None) -> str:
                                                f"{t['pairs_by_path'][p]} pairs"
                                                for p in ("network", "domain", "local")),
         f"peak staging per rank: at most {t['peak_staging_bound_bytes'] / 2 ** 20:,.1f} MiB "
-        f"({STAGING_WINDOW} buckets, or all a rank moves if less; only strided pieces and "
+        f"({t['staging_window']} buckets, the executor's default window, or all a rank moves if less; only strided pieces and "
         f"dtype conversions are staged)",
     ]
     return "\n".join(lines)

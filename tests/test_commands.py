@@ -42,7 +42,7 @@ def test_plan_text_json_and_pictures(tmp_path):
     assert "network == lower bound: yes" in out
     figure(r"busiest senders \(network, mean " + NUM + r" GB\): src \d+ " + NUM, out)
     figure(r"busiest receivers \(network, mean " + NUM + r" GB\): dst \d+ " + NUM, out)
-    n_buckets, = figure(r"buckets of 64 MiB \(from the schedule\): network (\d+)", out)
+    n_buckets, = figure(r"buckets of 32 MiB \(from the schedule\): network (\d+)", out)
     assert n_buckets > 0
     figure(r"peak staging per rank: at most " + NUM + " MiB", out)
     for name in ("tilings.png", "domains.png"):

@@ -17,7 +17,7 @@ from .planner import (DOMAIN, LOCAL, NETWORK, Endpoint, Move, PlanError, TensorP
                       plan_tensor)
 from ..layout.spec import TensorSpec, pack_slot_tables, unpack_slot_tables
 
-DEFAULT_BUCKET_BYTES = 64 << 20
+DEFAULT_BUCKET_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -460,7 +460,7 @@ def _share(plan: Plan, mine: frozenset, bucket_bytes: int) -> list[Transfer]:
         marks = replay_marks.get(i)
         if not marks:
             return ()
-        starts = _bucket_starts(replay_sizes[i], bucket_bytes)
+        starts = bucket_starts(replay_sizes[i], bucket_bytes)
         by_k: dict[int, list] = {}
         for pos, entry in replay_marks.get(i, ()):
             by_k.setdefault(bisect_right(starts, pos), []).append(entry)
@@ -495,37 +495,44 @@ def _share(plan: Plan, mine: frozenset, bucket_bytes: int) -> list[Transfer]:
     return transfers
 
 
-def _bucket_starts(sizes: list, bucket_bytes: int) -> list[int]:
-    """Where `_pack` starts each bucket after the first, for entries of these byte sizes
-    (a bucket takes entries while they fit; an entry larger than a bucket goes alone)."""
+def bucket_starts(sizes, bucket_bytes: int) -> list[int]:
+    """Where a pair's buckets after the first start, for entries of these byte sizes.
+
+    The pair's bytes go into n = ceil(total / bucket_bytes) buckets of about equal size: each
+    bucket ends at the entry boundary nearest its share of the total, never past
+    `bucket_bytes` (an entry larger than that goes alone; where entries do not fit n buckets
+    there are more). Equal buckets keep a round's pairs alike in size: a pair's k-th bucket runs
+    in round k, and a round whose pairs are uneven runs at the pace of its largest."""
     ends = np.cumsum(np.asarray(sizes, dtype=np.int64))
     n = len(ends)
+    if not n:
+        return []
+    total = int(ends[-1])
+    share = total / max(1, -(-total // bucket_bytes))
     starts = []
-    pos, before = 0, 0
+    pos, before, k = 0, 0, 1
     while True:
         # the first entry that would overflow a bucket opened at `pos`
-        nxt = int(np.searchsorted(ends, before + bucket_bytes, side="right"))
-        nxt = max(nxt, pos + 1)
+        cap = max(int(np.searchsorted(ends, before + bucket_bytes, side="right")), pos + 1)
+        # the entry boundary nearest this bucket's share of the total
+        q = k * share
+        c = int(np.searchsorted(ends, q, side="left"))
+        if c < n and (c == 0 or ends[c] - q <= q - ends[c - 1]):
+            c += 1
+        nxt = min(cap, max(c, pos + 1))
         if nxt >= n:
             return starts
         starts.append(nxt)
-        pos, before = nxt, int(ends[nxt - 1])
+        pos, before, k = nxt, int(ends[nxt - 1]), k + 1
 
 
 def _pack(entries: list, bucket_bytes: int, size_at: int = 1) -> list[list]:
-    """Greedy buckets of consecutive entries of at most bucket_bytes; `entry[size_at]` is an
-    entry's bytes ((item, nbytes, parent) entries by default)."""
-    buckets, cur, cur_bytes = [], [], 0
-    for e in entries:
-        nb = e[size_at]
-        if cur and cur_bytes + nb > bucket_bytes:
-            buckets.append(cur)
-            cur, cur_bytes = [], 0
-        cur.append(e)
-        cur_bytes += nb
-    if cur:
-        buckets.append(cur)
-    return buckets
+    """`entries` cut into buckets where `bucket_starts` says; `entry[size_at]` is an entry's
+    bytes ((item, nbytes, parent) entries by default)."""
+    if not entries:
+        return []
+    cuts = [0, *bucket_starts([e[size_at] for e in entries], bucket_bytes), len(entries)]
+    return [entries[a:b] for a, b in zip(cuts, cuts[1:])]
 
 
 # Staging memory a process may hold for network buckets in flight, by default.

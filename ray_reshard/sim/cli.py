@@ -19,6 +19,7 @@ from typing import Optional
 
 from ..cli_args import MODELS, even_out_stages, infer_arg, model_arg, train_arg
 from .cluster import GB, PRESETS, preset
+from ..planning.plan import DEFAULT_BUCKET_BYTES
 from .engine import RING_RECV, gather_broadcast_seconds, simulate
 
 
@@ -45,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="inference layout, e.g. vllm:tp=32,dp=8")
     ap.add_argument("--cluster", default="dgx-h100", help=f"preset: {', '.join(PRESETS)}")
     ap.add_argument("--dtype", default="bf16", help="dtype that moves (bf16, fp16, fp32, fp8)")
-    ap.add_argument("--bucket-mb", type=float, default=64.0)
+    ap.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / (1 << 20),
+                    help=f"bucket size (default {DEFAULT_BUCKET_BYTES >> 20}, the library's)")
     ap.add_argument("--mode", default="auto", choices=("auto", "exact", "aggregate"),
                     help="exact: replay the schedule's buckets; aggregate: per-pair bytes per "
                          "round (fast at any scale); auto: exact for small plans")

@@ -247,9 +247,16 @@ def messages_exact(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Mess
                     slot)
 
 
+def _share_of(total: int, n: int, k: int) -> int:
+    """Bytes of bucket k of a pair whose `total` bytes the schedule cuts into n about equal
+    buckets (`plan.bucket_starts`)."""
+    return total * (k + 1) // n - total * k // n
+
+
 def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Messages:
-    """Per (sender, receiver, path) byte and item totals cut into buckets of bucket_bytes, in
-    the schedule's key order: a pair's k-th bucket in round k; what a forwarder passes on to one
+    """Per (sender, receiver, path) byte and item totals cut into buckets of at most
+    bucket_bytes, in the schedule's key order: a pair's bytes in ceil(total / bucket_bytes)
+    about equal buckets, its k-th in round k; what a forwarder passes on to one
     target out of a segment of round k (each network pair's forwarded bytes placed in that
     pair's rounds) merged and cut into buckets placed as `plan.forward_key` places them."""
     n_src, world = _gpu(plan)
@@ -300,8 +307,7 @@ def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
             nbk, pair_bytes = net_of.get((parent, snd), (1, v[0]))
             m = max(1, min(nbk, -(-v[0] * nbk // max(1, pair_bytes))))
             ks = [(parent + rcv + i * nbk // m) % nbk for i in range(m)]
-            sizes = [bucket_bytes if k < nbk - 1 else pair_bytes - (nbk - 1) * bucket_bytes
-                     for k in ks]
+            sizes = [_share_of(pair_bytes, nbk, k) for k in ks]
             whole = sum(sizes) or 1
             seg = forward_segment(rotation(parent, snd - n_src, n_src, n_dst), n_src, n_dst)
             for k, size in zip(ks, sizes):
@@ -313,7 +319,7 @@ def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
         tot, items = v[0], v[1]
         rot = rotation(snd, rcv - n_src, n_src, n_dst)
         for k in range(n):
-            nb = bucket_bytes if k < n - 1 else tot - (n - 1) * bucket_bytes
+            nb = _share_of(tot, n, k)
             share = nb / max(1, tot)
             it = max(1, items // n + (k < items % n))
             rows.append(((k, code, rot, snd, rcv - n_src, 0, -1), snd, rcv, code, nb, it,

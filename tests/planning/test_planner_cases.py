@@ -8,8 +8,8 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from ray_reshard.planning.plan import (build_share, forward_segment, forward_segments,
-                                       is_forward_key, parent_key, run_order)
+from ray_reshard.planning.plan import (bucket_starts, build_share, forward_segment,
+                                       forward_segments, is_forward_key, parent_key, run_order)
 import torch
 
 from ray_reshard.layout import Box, Layout, Mesh, Replicate, Shard, TensorSpec, shard_tensor
@@ -336,6 +336,23 @@ def test_schedule_orders_forwards_after_their_network_bucket():
     assert len(pos) == len(sched)
     mine = sched.for_endpoints([Endpoint("dst", 0)])
     assert mine and all(t.dst == 0 or t.src == Endpoint("dst", 0) for t in mine)
+
+
+def test_a_pairs_buckets_are_about_equal():
+    """A pair's bytes go into ceil(total / bucket) buckets of about equal size, not full buckets
+    and a remainder: the pairs of a round then stay alike in size."""
+    # 10 tensors of 1 KiB from source 0 to destination 0 across domains: 10 KiB in 4 KiB buckets
+    specs = {f"w{i}": TensorSpec((256,), F32, Layout.sharded([0], 0), Layout.sharded([0], 0))
+             for i in range(10)}
+    p = plan(specs, src_domains=["a"], dst_domains=["b"])
+    sizes = [t.nbytes for t in p.schedule(4096).transfers]
+    assert sizes == [3072, 4096, 3072]            # greedy would cut 4096, 4096, 2048
+    assert [t.key[0] for t in p.schedule(4096).transfers] == [0, 1, 2]
+    # the cut never passes a bucket, and an entry larger than the share goes where it fits
+    assert bucket_starts([3000, 3000, 3000, 100], 4096) == [1, 2]
+    assert bucket_starts([1] * 109, 64) == [55]
+    assert bucket_starts([64, 64, 10], 64) == [1, 2]
+    assert bucket_starts([5], 64) == [] and bucket_starts([], 64) == []
 
 
 def _replicas_plan(n_dst=8):
