@@ -78,7 +78,8 @@ class Box:
         return out
 
     def chunks(self, max_numel: int) -> list["Box"]:
-        """Cut into boxes of at most `max_numel` elements, keeping each a box (row-major order)."""
+        """Cut into boxes of at most `max_numel` elements, keeping each a box (row-major order),
+        as few as that allows along the dim that is cut, of about equal length."""
         if self.numel <= max_numel or self.ndim == 0:
             return [self]
         # Find the outermost dim d such that a block of the trailing dims fits.
@@ -87,11 +88,13 @@ class Box:
             if inner * self.sizes[d] > max_numel:
                 break
             inner *= self.sizes[d]
-        step = max(1, max_numel // inner)
+        n = self.sizes[d]
+        pieces = -(-n // max(1, max_numel // inner))
+        cuts = [n * i // pieces for i in range(pieces + 1)]
         out = []
         for lead in _iter_prefix(self, d):
-            for start in range(0, self.sizes[d], step):
-                length = min(step, self.sizes[d] - start)
+            for start, end in zip(cuts, cuts[1:]):
+                length = end - start
                 offs = lead + (self.offsets[d] + start,) + self.offsets[d + 1:]
                 sizes = (1,) * len(lead) + (length,) + self.sizes[d + 1:]
                 out.append(Box(offs, sizes))

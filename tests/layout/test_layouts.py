@@ -192,6 +192,11 @@ def test_box_chunks_tile_in_row_major_order(sizes, max_numel):
     assert torch.equal(flat, full[b.slices()].reshape(-1))          # row-major order, no overlap
 
 
+def test_box_chunks_are_about_equal():
+    assert [c.sizes for c in Box((0, 0), (10, 4)).chunks(16)] == [(3, 4), (3, 4), (4, 4)]
+    assert [c.sizes for c in Box((0,), (100,)).chunks(34)] == [(33,), (33,), (34,)]
+
+
 # -------------------------------------------------------------------------------- layouts
 
 
