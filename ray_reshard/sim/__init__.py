@@ -1,7 +1,7 @@
 """Cluster simulator: replays a refit plan's schedule on a described cluster (pure: no Ray).
 
     from ray_reshard.sim import simulate, gather_broadcast_seconds, preset
-    res = simulate(plan, preset("dgx-h100"), bucket_bytes=64 << 20)
+    res = simulate(plan, preset("dgx-h100"))        # bucket_bytes: the library's default
     res.predicted_s, res.bound_s
 
 CLI: `ray-reshard simulate --model ... --train ... --infer ... --cluster ...` (see `cli`).
