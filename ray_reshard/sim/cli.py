@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ring-carry", choices=("on", "off"), default=None,
                     help="a run of ring steps leaves receives not there yet behind, taken once "
                          "ready (on: NCCL's executor; default: the cluster's)")
+    ap.add_argument("--ring-slots", type=int, default=None,
+                    help="slots per ring (default 2, the executor's; 0: no limit, a what-if)")
     ap.add_argument("--timeline", default=None, help="rank whose timeline to show, e.g. dst:0 "
                                                      "(default: the one with the busiest link)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -104,7 +106,7 @@ def run(args, variants: Optional[dict] = None) -> dict:
         shard_s=None if args.shard_us is None else args.shard_us * 1e-6,
         step_s=None if args.step_us is None else args.step_us * 1e-6,
         copy_tables=_on(args.copy_tables), host_overlap=_on(args.host_overlap),
-        ring_carry=_on(args.ring_carry))
+        ring_carry=_on(args.ring_carry), ring_slots=args.ring_slots)
     if args.window is not None and not 1 <= args.window <= 16:
         raise ValueError(f"--window must be in 1..16, got {args.window}")
     if args.bucket_mb <= 0:

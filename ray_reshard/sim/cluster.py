@@ -71,6 +71,8 @@ class Cluster:
                                         # over the link (CUDA IPC): copy and transfer are one
     ring_carry: bool = False            # a run of ring steps leaves receives not there yet
                                         # behind, taken once ready (NCCL: sliceable waits)
+    ring_slots: int = 2                 # slots per ring (the executor's); a sender waits for
+                                        # its receiver to free one (0: no limit, a what-if)
     host_overlap: bool = False          # the host issues a copy and goes on while the GPU runs
                                         # it (a ring slot published on its event): steps on the
                                         # host's clock, copies on the stream's
@@ -81,6 +83,8 @@ class Cluster:
         for n in ("nvlink_Bps", "nic_Bps", "copy_Bps", "contig_copy_Bps"):
             if not getattr(self, n) > 0:
                 raise ValueError(f"{n} must be positive, got {getattr(self, n)}")
+        if self.ring_slots < 0:
+            raise ValueError(f"ring_slots must be >= 0, got {self.ring_slots}")
         for n in ("latency_s", "ring_latency_s", "item_s", "tensor_s", "shard_s", "step_s",
                   "refit_overhead_s", "message_s"):
             if getattr(self, n) < 0:
@@ -116,6 +120,8 @@ class Cluster:
             s += ", host steps overlap the GPU's copies"
         if self.ring_carry:
             s += ", late ring receives left behind by their run"
+        s += (f", {self.ring_slots} slots per ring" if self.ring_slots
+              else ", ring slots without limit")
         if self.cpu_cores:
             s += f", all ranks on {self.cpu_cores} CPU cores"
         if self.fabric_Bps:

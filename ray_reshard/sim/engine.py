@@ -29,8 +29,12 @@ network groups in flight:
   reaches it, else after the run's other ready work, and the run ends once all have arrived and
   are unpacked (with `ring_carry`, NCCL clusters, it ends without the receives not there yet,
   which are taken as they arrive while the process waits for network messages, or at its next
-  ring step or post after they arrived). `"in_order"` takes each strictly when reached, in key order; the what-if
-  `"as_ready"` whenever it is there, without holding up the rest of the program;
+  ring step or post after they arrived). `"in_order"` takes each strictly when reached, in key
+  order; the what-if `"as_ready"` whenever it is there, without holding up the rest of the
+  program. A ring has `ring_slots` slots (the executor's 2): a sender's next bucket on a ring
+  waits until the bucket that many before it on that ring is unpacked at the receiver (its
+  slot freed once the unpack's event is done); one its receiver left behind is taken then,
+  once it is there;
 * forwarded buckets (what a forwarder passes to one target out of the network buckets of a
   segment of a round's rotations, merged) sort into the next segment, spread over its
   rotations: the forwarder first completes its groups up to the last network bucket they draw
@@ -634,6 +638,9 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, base
     rings_in_order = ring_recv == "in_order"
     in_runs = ring_recv == "runs"
     deferred = [[] for _ in range(world)]         # runs: (arrival, row) not yet taken
+    slots = cluster.ring_slots or None            # slots per ring (None: no limit)
+    ring_rows = defaultdict(list)                 # (sender, receiver): its ring rows so far
+    freed: dict = {}                              # ring row: when its slot was freed
     rows: dict = {}
 
     def work(p, step, copy, ring=False):
@@ -660,6 +667,11 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, base
         nv_r[r].book(t0, d)
         return t0
 
+    def take(p, m):
+        # unpack ring bucket m; its slot is free once the unpack's event is done
+        work(p, bs[m], rc[m], True)
+        freed[m] = gpu[p]
+
     def take_ready(p):
         # runs: take the ring buckets that arrived by the process's clock
         d = deferred[p]
@@ -667,10 +679,35 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, base
             keep = []
             for a, m in d:
                 if a <= cpu[p]:
-                    work(p, bs[m], rc[m], True)
+                    take(p, m)
                 else:
                     keep.append((a, m))
             deferred[p] = keep
+
+    def slot_free(s, r, m):
+        # when the slot ring bucket m of (s, r) is packed into is free: `slots` buckets earlier
+        # on that ring released; a receiver that left that one behind takes it now
+        sent = ring_rows[(s, r)]
+        sent.append(m)
+        if slots is None or len(sent) <= slots:
+            return 0.0
+        old = sent[-1 - slots]
+        if old not in freed:
+            d = deferred[r]
+            for j, (a, q) in enumerate(d):
+                if q == old:
+                    del d[j]
+                    if overlap:
+                        # its host takes it once it is there (between the slices of its
+                        # waits), without waiting for it; the unpack queues on its stream
+                        cpu[r] += bs[old]
+                        gpu[r] = ev[r] = max(gpu[r], a + bs[old]) + rc[old]
+                        freed[old] = gpu[r]
+                    else:
+                        block(r, a)
+                        take(r, old)
+                    break
+        return freed[old]
 
     def end_run(p):
         # runs: the run ends once every ring bucket it takes has arrived and is unpacked
@@ -678,7 +715,7 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, base
         if d:
             for a, m in sorted(d):
                 block(p, a)
-                work(p, bs[m], rc[m], True)
+                take(p, m)
             d.clear()
 
     def note(i, start, end, kind, own_work, link_s):
@@ -701,7 +738,7 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, base
             for a, m in sorted(deferred[p]):
                 if a <= end:
                     cpu[p] = max(cpu[p], a)
-                    work(p, bs[m], rc[m], True)
+                    take(p, m)
                 else:
                     keep.append((a, m))
             deferred[p] = keep
@@ -793,6 +830,7 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, base
             # it unless `host_overlap`); the receiver unpacks once the slot is there
             if in_runs:
                 take_ready(s)
+            block(s, slot_free(s, r, i))
             if over_link:               # the packing is the transfer
                 cpu[s] += bs[i]
                 ready = max(cpu[s], gpu[s])
@@ -815,14 +853,15 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, base
                 # process's other ready work of the run is done (see `end_run`)
                 take_ready(r)
                 if t1 <= cpu[r]:
-                    work(r, bs[i], rc[i], True)
+                    take(r, i)
                 else:
                     deferred[r].append((t1, i))
             elif rings_in_order:
                 block(r, t1)
-                work(r, bs[i], rc[i], True)
+                take(r, i)
             else:                                   # what-if: taken whenever it is there
-                work(r, bs[i], rc[i], True)
+                take(r, i)
+                freed[i] = max(freed[i], t1 + bs[i] + rc[i])
                 arrived[r] = max(arrived[r], t1 + bs[i] + rc[i])
             if r == watch:
                 note(i, t0, max(cpu[r], gpu[r], t1 + rc[i]), 3, bs[i] + rc[i], t1 - t0)

@@ -359,3 +359,29 @@ def test_link_takes_the_earliest_gap():
     b.book(3.0, 2.0)                     # [3, 5)
     assert earliest_free(a, b, 0.0, 1.0) == 5.0
     assert earliest_free(b, a, 0.0, 1.0) == 5.0
+
+
+def test_ring_slots_by_hand():
+    """One ring, four 4 MB buckets, pack and unpack 1 ms each, transfer 0.04 ms. With one slot
+    the sender packs bucket k + 1 only once the receiver has unpacked bucket k (2.04 ms a
+    bucket); with two the sender never waits (the receiver frees bucket k before bucket k + 2
+    is packed), the same as without a limit."""
+    lay = rr.Layout.replicated([0])
+    specs = {"w": rr.TensorSpec((4000, 1000), torch.float32, src=lay, dst=lay)}
+    p = rr.plan(specs, ["a"], ["a"])                     # one domain: a ring
+    cl = BARE.with_(ring_latency_s=0.0, contig_copy_Bps=4 * GB, copy_Bps=4 * GB)
+    free = simulate(p, cl.with_(ring_slots=0), 4_000_000, "exact").predicted_s
+    assert free == pytest.approx(4 * 1.04e-3 + 1e-3)
+    assert simulate(p, cl, 4_000_000, "exact").predicted_s == pytest.approx(free)
+    one = simulate(p, cl.with_(ring_slots=1), 4_000_000, "exact").predicted_s
+    assert one == pytest.approx(1.04e-3 + 3 * 2.04e-3 + 1e-3)
+    assert cl.ring_slots == 2 and "2 slots per ring" in cl.describe()
+    with pytest.raises(ValueError, match="ring_slots"):
+        BARE.with_(ring_slots=-1)
+
+
+def test_fewer_ring_slots_never_help():
+    p = _many_replicas_plan()
+    cl = preset("gb200-nvl72").with_(gpus_per_domain=16)
+    t = [simulate(p, cl.with_(ring_slots=k), 1 << 20, "exact").predicted_s for k in (1, 2, 0)]
+    assert t[0] >= t[1] * (1 - 1e-9) and t[1] >= t[2] * (1 - 1e-9)
