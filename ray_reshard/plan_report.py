@@ -16,6 +16,7 @@ from typing import Any, Optional
 from .planning.plan import DEFAULT_BUCKET_BYTES, Plan, default_window
 from .planning.planner import NETWORK, PATHS
 
+
 def traffic(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES, top: int = 3,
             progress=None, exact_buckets_up_to: int = 200_000) -> dict[str, Any]:
     """Figures of `plan` as plain data (JSON-ready). `progress` wraps the walk over tensors."""
@@ -109,7 +110,7 @@ def render(t: dict, title: Optional[str] = None) -> str:
                                                f"{t['pairs_by_path'][p]} pairs"
                                                for p in ("network", "domain", "local")),
         f"peak staging per rank: at most {t['peak_staging_bound_bytes'] / 2 ** 20:,.1f} MiB "
-        f"({t['staging_window']} buckets, the executor's default window, or all a rank moves if less; only strided pieces and "
-        f"dtype conversions are staged)",
+        f"({t['staging_window']} buckets, the executor's default window, or all a rank moves "
+        f"if less; only strided pieces and dtype conversions are staged)",
     ]
     return "\n".join(lines)

@@ -503,12 +503,12 @@ def bucket_starts(sizes, bucket_bytes: int) -> list[int]:
     `bucket_bytes` (an entry larger than that goes alone; where entries do not fit n buckets
     there are more). Equal buckets keep a round's pairs alike in size: a pair's k-th bucket runs
     in round k, and a round whose pairs are uneven runs at the pace of its largest."""
+    if sum(sizes) <= bucket_bytes:          # one bucket (most pairs of a large plan)
+        return []
     ends = np.cumsum(np.asarray(sizes, dtype=np.int64))
     n = len(ends)
-    if not n:
-        return []
     total = int(ends[-1])
-    share = total / max(1, -(-total // bucket_bytes))
+    share = total / -(-total // bucket_bytes)
     starts = []
     pos, before, k = 0, 0, 1
     while True:

@@ -18,8 +18,8 @@ import time
 from typing import Optional
 
 from ..cli_args import MODELS, even_out_stages, infer_arg, model_arg, train_arg
-from .cluster import GB, PRESETS, preset
 from ..planning.plan import DEFAULT_BUCKET_BYTES
+from .cluster import GB, PRESETS, preset
 from .engine import RING_RECV, gather_broadcast_seconds, simulate
 
 
