@@ -21,6 +21,7 @@ def traffic(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES, top: int = 3,
             progress=None, exact_buckets_up_to: int = 200_000) -> dict[str, Any]:
     """Figures of `plan` as plain data (JSON-ready). `progress` wraps the walk over tensors."""
     topo = plan.topology
+    window = default_window(bucket_bytes)          # the executor's staged buckets
     st = plan.stats
     src_doms = list(dict.fromkeys(topo.src_domains))
     dst_doms = list(dict.fromkeys(topo.dst_domains))
@@ -70,8 +71,8 @@ def traffic(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES, top: int = 3,
         "bucket_bytes": bucket_bytes,
         "buckets_by_path": buckets, "buckets_exact": exact,
         "pairs_by_path": {p: sum(1 for k in pairs if k[2] == p) for p in PATHS},
-        "staging_window": default_window(bucket_bytes),
-        "peak_staging_bound_bytes": min(default_window(bucket_bytes) * bucket_bytes,
+        "staging_window": window,
+        "peak_staging_bound_bytes": min(window * bucket_bytes,
                                         max(handled.values(), default=0)),
         "domains": {"src": [str(d) for d in src_doms], "dst": [str(d) for d in dst_doms]},
         "domain_network_bytes": matrix,

@@ -639,7 +639,8 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, base
     in_runs = ring_recv == "runs"
     deferred = [[] for _ in range(world)]         # runs: (arrival, row) not yet taken
     slots = cluster.ring_slots or None            # slots per ring (None: no limit)
-    ring_rows = defaultdict(list)                 # (sender, receiver): its ring rows so far
+    # (sender, receiver): its last slots + 1 ring rows
+    ring_rows = defaultdict(lambda: deque(maxlen=slots + 1))
     freed: dict = {}                              # ring row: when its slot was freed
     rows: dict = {}
 
@@ -687,11 +688,13 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, base
     def slot_free(s, r, m):
         # when the slot ring bucket m of (s, r) is packed into is free: `slots` buckets earlier
         # on that ring released; a receiver that left that one behind takes it now
+        if slots is None:
+            return 0.0
         sent = ring_rows[(s, r)]
         sent.append(m)
-        if slots is None or len(sent) <= slots:
+        if len(sent) <= slots:
             return 0.0
-        old = sent[-1 - slots]
+        old = sent[0]
         if old not in freed:
             d = deferred[r]
             for j, (a, q) in enumerate(d):
