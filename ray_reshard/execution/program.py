@@ -344,6 +344,7 @@ class Program:
     _token: Any = None             # the caller's name for the views bound last (see bind)
     finishers: list = field(default_factory=list)   # see quant.Finisher
     _orders: dict = field(default_factory=dict)      # span -> steps in `run_order`
+    round_len: int = 0            # positions in a round of the schedule (see plan.group_span)
 
     def ordered(self, span: int) -> list:
         """The steps in the order they run with network groups of `span` rotations
@@ -539,7 +540,8 @@ def _compile(plan, mine, bucket_bytes, proc_of, transfers, per_item_bytes) -> Pr
         whole = (per_item_bytes is not None and t.path == NETWORK
                  and min(part.item_bytes) >= per_item_bytes)
         steps.append(Step(kind, t.key, t.path, peer, t.nbytes, whole, after, send, recv))
-    return Program(held, steps, bucket_bytes, ring, finishers=finishers)
+    return Program(held, steps, bucket_bytes, ring, finishers=finishers,
+                   round_len=max(plan.topology.n_src, plan.topology.n_dst))
 
 
 class _Procs:

@@ -6,7 +6,8 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import cached_property
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
+from itertools import accumulate
 from array import array
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
@@ -184,9 +185,10 @@ class Plan:
 
     def __getstate__(self):
         # Schedules are caches, often far larger than the plan: rebuild them where needed.
+        # Network turns are small and need the whole plan's pairs: they travel along.
         # Specs travel as columns (see `_pack_specs`).
         state = {k: v for k, v in self.__dict__.items()
-                 if k in ("names", "topology", "tensor_plans")}
+                 if k in ("names", "topology", "tensor_plans", "_turns")}
         if "_spec_columns" in self.__dict__:     # shipped on without being unpacked
             state["spec_columns"] = self.__dict__["_spec_columns"]
             return state
@@ -203,6 +205,16 @@ class Plan:
         # Specs are unpacked on first use (all ranks' slots) or by localize() (this process's).
         self._spec_columns = state.pop("spec_columns")
         self.__dict__.update(state)
+
+    def network_turns(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
+        """{(source rank, destination rank): the turns of that network pair's buckets} for
+        buckets of `bucket_bytes` (see `assign_turns`; cached, and shipped with the plan once
+        computed, so the processes compiling their shares do not each compute it)."""
+        cache = self.__dict__.setdefault("_turns", {})
+        if bucket_bytes not in cache:
+            cache[bucket_bytes] = assign_turns(network_bucket_counts(self, bucket_bytes),
+                                               max(self.topology.n_src, self.topology.n_dst))
+        return cache[bucket_bytes]
 
     def schedule(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> "Schedule":
         """Buckets of at most `bucket_bytes` in one deadlock-free global order (cached)."""
@@ -282,6 +294,12 @@ _PATH_ORDER = {NETWORK: 0, DOMAIN: 1, LOCAL: 2}
 def build_schedule(plan: Plan, bucket_bytes: int) -> Schedule:
     """Pack moves into buckets per (sender, receiver, path) and order them.
 
+    A network pair's k-th bucket goes in the pair's k-th turn (`Plan.network_turns`): its key
+    is (turn // n, network, turn % n, sender, receiver, ...), round and position in a round of
+    n = max(n_src, n_dst) positions; in one turn a rank sends at most one network bucket and
+    receives at most one. A domain or local pair's k-th bucket sorts at (k, path, rotation, ...),
+    after the network buckets of round k.
+
     Forwarded pieces (a destination passing network pieces on inside its domain) are packed
     per (forwarder, target, path, segment of a round's rotations): what a forwarder passes to
     one target out of its network buckets of that segment, in their key order, into buckets
@@ -324,18 +342,20 @@ def build_schedule(plan: Plan, bucket_bytes: int) -> Schedule:
                     for chunk in box.chunks(max_numel):
                         entries.append((Item(ti, chunk), chunk.numel * size, box))
 
+        turns = plan.network_turns(bucket_bytes) if pair_items else {}
         for (src, dst, path), entries in pair_items.items():
-            rot = rotation(src.rank, dst, n_src, topo.n_dst)
-            seg = forward_segment(rot, n_src, topo.n_dst)
-            for k, bucket in enumerate(_pack(entries, bucket_bytes)):
-                key = (k, _PATH_ORDER[path], rot, gid(src), dst, 0, -1)
+            packed = _pack(entries, bucket_bytes)
+            keys = _bucket_keys(len(packed), src.rank, gid(src), dst, path, turns, n_src,
+                                topo.n_dst)
+            for key, bucket in zip(keys, packed):
                 transfers.append(_transfer(isz, key, src, dst, path, bucket))
                 if path != NETWORK:
                     continue
+                seg = forward_segment(key[2], n_src, topo.n_dst)
                 for entry in bucket:
                     item = entry[0]
                     for target, fpath in forwards.get((dst, item.tensor, entry[2]), ()):
-                        fwd_into[(dst, target, fpath, k, seg)][key].append(entry)
+                        fwd_into[(dst, target, fpath, key[0], seg)][key].append(entry)
         for fkey, f, target, fpath, fentries in _forwards(fwd_into, bucket_bytes, 1, n_src,
                                                           topo.n_dst):
             transfers.append(_transfer(isz, fkey, Endpoint("dst", f), target, fpath, fentries))
@@ -453,32 +473,38 @@ def _share(plan: Plan, mine: frozenset, bucket_bytes: int) -> list[Transfer]:
                 lst.extend(sizes)
 
     def buckets(i, entries):
-        """(k, entries) of pair i: our pairs' buckets, or a replayed pair's buckets that
-        hold pieces forwarded to us (found from the piece sizes alone)."""
+        """(how many buckets pair i has, its (k, entries)): our pairs' buckets, or a replayed
+        pair's buckets that hold pieces forwarded to us (found from the piece sizes alone)."""
         if pair_keys[i][3]:
-            return enumerate(_pack(entries, bucket_bytes, size_at=0))
+            packed = _pack(entries, bucket_bytes, size_at=0)
+            return len(packed), enumerate(packed)
         marks = replay_marks.get(i)
         if not marks:
-            return ()
+            return 0, ()
         starts = bucket_starts(replay_sizes[i], bucket_bytes)
         by_k: dict[int, list] = {}
         for pos, entry in replay_marks.get(i, ()):
             by_k.setdefault(bisect_right(starts, pos), []).append(entry)
-        return by_k.items()
+        return len(starts) + 1, by_k.items()
 
     any_forwards = any(f is not None for f in forwards)
     fwd_into: dict[tuple, dict] = defaultdict(lambda: defaultdict(list))
+    n_dst = plan.topology.n_dst
+    turns = plan.network_turns(bucket_bytes) if pair_keys else {}
     for i, (src, dst, path, ours) in enumerate(pair_keys):
-        rot = rotation(src.rank, dst, n_src, plan.topology.n_dst)
-        seg = forward_segment(rot, n_src, plan.topology.n_dst)
         gsrc = src.rank if src.side == "src" else n_src + src.rank
         forwarder_mine = dst in my_dst
-        for k, bucket in buckets(i, pair_lists[i]):
-            key = (k, _PATH_ORDER[path], rot, gsrc, dst, 0, -1)
+        n, pair_buckets = buckets(i, pair_lists[i])
+        if not n:
+            continue
+        keys = _bucket_keys(n, src.rank, gsrc, dst, path, turns, n_src, n_dst)
+        for k, bucket in pair_buckets:
+            key = keys[k]
             if ours:
                 emit(key, src, dst, path, bucket)
             if path != NETWORK or not any_forwards:
                 continue
+            seg = forward_segment(key[2], n_src, n_dst)
             for entry in bucket:
                 fw = forwards[entry[1]]
                 fs = None if fw is None else fw.get(dst)
@@ -487,7 +513,7 @@ def _share(plan: Plan, mine: frozenset, bucket_bytes: int) -> list[Transfer]:
                 parent = entry[3]
                 for box, (target, fpath) in fs:
                     if box == parent and (forwarder_mine or target in my_dst):
-                        fwd_into[(dst, target, fpath, k, seg)][key].append(entry)
+                        fwd_into[(dst, target, fpath, key[0], seg)][key].append(entry)
     for fkey, f, target, fpath, fentries in _forwards(fwd_into, bucket_bytes, 0, n_src,
                                                       plan.topology.n_dst):
         emit(fkey, Endpoint("dst", f), target, fpath, fentries)
@@ -505,25 +531,25 @@ def bucket_starts(sizes, bucket_bytes: int) -> list[int]:
     in round k, and a round whose pairs are uneven runs at the pace of its largest."""
     if sum(sizes) <= bucket_bytes:          # one bucket (most pairs of a large plan)
         return []
-    ends = np.cumsum(np.asarray(sizes, dtype=np.int64))
+    ends = list(accumulate(int(x) for x in sizes))
     n = len(ends)
-    total = int(ends[-1])
+    total = ends[-1]
     share = total / -(-total // bucket_bytes)
     starts = []
     pos, before, k = 0, 0, 1
     while True:
         # the first entry that would overflow a bucket opened at `pos`
-        cap = max(int(np.searchsorted(ends, before + bucket_bytes, side="right")), pos + 1)
+        cap = max(bisect_right(ends, before + bucket_bytes), pos + 1)
         # the entry boundary nearest this bucket's share of the total
         q = k * share
-        c = int(np.searchsorted(ends, q, side="left"))
+        c = bisect_left(ends, q)
         if c < n and (c == 0 or ends[c] - q <= q - ends[c - 1]):
             c += 1
         nxt = min(cap, max(c, pos + 1))
         if nxt >= n:
             return starts
         starts.append(nxt)
-        pos, before, k = nxt, int(ends[nxt - 1]), k + 1
+        pos, before, k = nxt, ends[nxt - 1], k + 1
 
 
 def _pack(entries: list, bucket_bytes: int, size_at: int = 1) -> list[list]:
@@ -533,6 +559,90 @@ def _pack(entries: list, bucket_bytes: int, size_at: int = 1) -> list[list]:
         return []
     cuts = [0, *bucket_starts([e[size_at] for e in entries], bucket_bytes), len(entries)]
     return [entries[a:b] for a, b in zip(cuts, cuts[1:])]
+
+
+def bucket_count(sizes, bucket_bytes: int) -> int:
+    """How many buckets `bucket_starts` cuts entries of these byte sizes into, mostly without
+    cutting: n = ceil(total / bucket_bytes) wherever each bucket's share plus the largest entry
+    fits a bucket (each bucket then ends within half an entry of its share)."""
+    total = sum(sizes)
+    if total <= bucket_bytes:
+        return 1
+    n = -(-total // bucket_bytes)
+    if total / n + max(sizes) <= bucket_bytes:
+        return n
+    return len(bucket_starts(sizes, bucket_bytes)) + 1
+
+
+def network_bucket_counts(plan: "Plan", bucket_bytes: int) -> dict[tuple[int, int], int]:
+    """{(source rank, destination rank): how many buckets of at most `bucket_bytes` the
+    schedule cuts that network pair into}, from the whole plan's moves (per distinct tensor
+    plan, renamed per tensor)."""
+    sizes: dict[tuple[int, int], list] = {}
+    with gc_paused():
+        for ti, tp in enumerate(plan.tensor_plans):
+            isz = plan.specs[ti].itemsize
+            for s, d, piece_sizes in tp.network_pieces(max(1, bucket_bytes // isz), isz):
+                got = sizes.get((s, d))
+                if got is None:
+                    sizes[(s, d)] = list(piece_sizes)
+                else:
+                    got += piece_sizes
+        return {pair: bucket_count(v, bucket_bytes) for pair, v in sizes.items()}
+
+
+def assign_turns(counts: Mapping[tuple[int, int], int], n_rot: int) -> dict[tuple[int, int], tuple]:
+    """The turn of every network bucket: {(source rank, destination rank): the turns of that
+    pair's buckets, increasing}. In one turn a source sends at most one bucket and a
+    destination receives at most one; a bucket's key is (turn // n_rot, ..., turn % n_rot):
+    its round and its position in the round.
+
+    First fit in the rotation schedule's order: bucket k of every pair, by k, then by rotation
+    `(dst - src) mod n_rot`, takes the earliest turn after the pair's previous bucket where
+    neither end is busy. Where every pair has as many buckets this is the rotation schedule
+    (round k, position = rotation); where pairs differ, the buckets of busier ranks fill the
+    turns lighter pairs leave free instead of trailing in sparse late rounds, so a rank's
+    buckets take about as many turns as it has buckets (the most any schedule needs is the
+    largest such count: each turn is a matching). Deterministic: every process computes the
+    same turns from the same counts."""
+    with gc_paused():
+        return _first_fit(counts, n_rot)
+
+
+def _first_fit(counts: Mapping[tuple[int, int], int], n_rot: int) -> dict:
+    pairs = sorted(counts, key=lambda sd: ((sd[1] - sd[0]) % n_rot, sd))
+    busy_src: dict[int, int] = defaultdict(int)       # bit t set: busy in turn t
+    busy_dst: dict[int, int] = defaultdict(int)
+    out: dict[tuple[int, int], list] = {pair: [] for pair in pairs}
+    k = 0
+    while pairs:
+        for pair in pairs:
+            s, d = pair
+            got = out[pair]
+            lo = got[-1] + 1 if got else 0
+            free = ~(busy_src[s] | busy_dst[d]) >> lo
+            t = lo + (free & -free).bit_length() - 1
+            busy_src[s] |= 1 << t
+            busy_dst[d] |= 1 << t
+            got.append(t)
+        k += 1
+        pairs = [pair for pair in pairs if counts[pair] > k]
+    return {pair: tuple(v) for pair, v in out.items()}
+
+
+def _bucket_keys(n: int, src_rank: int, gsrc: int, dst: int, path: str, turns: dict, n_src: int,
+                 n_dst: int) -> list[tuple]:
+    """The keys of a source-to-destination pair's n buckets: a network pair's at its turns
+    (round, network, position in the round, ...), the others at (k, path, rotation, ...)."""
+    if path != NETWORK:
+        rot = rotation(src_rank, dst, n_src, n_dst)
+        return [(k, _PATH_ORDER[path], rot, gsrc, dst, 0, -1) for k in range(n)]
+    pair_turns = turns.get((src_rank, dst), ())
+    if len(pair_turns) != n:
+        raise RuntimeError(f"network pair src {src_rank} -> dst {dst}: {n} buckets, but the "
+                           f"plan's turn table has {len(pair_turns)} (planner bug)")
+    n_rot = max(n_src, n_dst)
+    return [(t // n_rot, _PATH_ORDER[NETWORK], t % n_rot, gsrc, dst, 0, -1) for t in pair_turns]
 
 
 # Staging memory a process may hold for network buckets in flight, by default.
@@ -546,12 +656,22 @@ def default_window(bucket_bytes: int, staging_bytes: int = DEFAULT_STAGING_BYTES
     return max(2, min(MAX_WINDOW, staging_bytes // max(1, bucket_bytes)))
 
 
+def group_span(window: int, round_len: int = 0) -> int:
+    """How many positions of a round one network group spans (0: each bucket its own group):
+    `window // 2`, so a group holds at most that many sends and as many receives, but at most
+    half a round of `round_len` positions (0: no limit), so a round is at least two groups and
+    one is in flight while the next is packed."""
+    span = window // 2
+    return min(span, max(1, round_len // 2)) if round_len else span
+
+
 def rotation(src: int, dst: int, n_src: int, n_dst: int) -> int:
-    """The rotation of the pair (source rank `src`, destination rank `dst`) in the schedule's
-    key: `(dst - src) mod max(n_src, n_dst)`. In one rotation every source rank sends to at
-    most one destination rank and every destination rank receives from at most one source
-    rank, and the rotations are as few as that allows, so the pairs of a round are met in
-    max(n_src, n_dst) steps of disjoint pairs."""
+    """The rotation of the pair (source rank `src`, destination rank `dst`):
+    `(dst - src) mod max(n_src, n_dst)`. In one rotation every source rank sends to at most
+    one destination rank and every destination rank receives from at most one source rank, and
+    the rotations are as few as that allows, so all pairs are met in max(n_src, n_dst) steps of
+    disjoint pairs. It is the position of a domain or local pair's buckets in their rounds, and
+    the order in which network buckets take their turns (`assign_turns`)."""
     return (dst - src) % max(n_src, n_dst)
 
 
@@ -566,7 +686,7 @@ SEGMENT_ROTATIONS = 16
 
 
 def forward_segment(rotation_: int, n_src: int, n_dst: int) -> int:
-    """The segment of a round that a network bucket at `rotation_` falls in."""
+    """The segment of a round that a network bucket at position `rotation_` falls in."""
     n_rot = max(n_src, n_dst)
     return rotation_ * forward_segments(n_src, n_dst) // n_rot
 

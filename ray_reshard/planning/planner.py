@@ -152,7 +152,7 @@ class TensorPlan:
     """
 
     __slots__ = ("shape", "itemsize", "_moves", "_stats", "_rotations", "_canon", "_sranks",
-                 "_dranks", "_by_ep", "_compact", "_index", "_arrays")
+                 "_dranks", "_by_ep", "_compact", "_index", "_arrays", "_pieces")
 
     def __init__(self, shape: tuple[int, ...], itemsize: int, moves: tuple[Move, ...],
                  stats: TensorStats, rotations: int = 1):
@@ -162,7 +162,7 @@ class TensorPlan:
         self._stats = stats
         self._rotations = rotations
         self._canon = self._sranks = self._dranks = None
-        self._by_ep = self._compact = self._index = self._arrays = None
+        self._by_ep = self._compact = self._index = self._arrays = self._pieces = None
 
     @classmethod
     def renamed(cls, canon: "TensorPlan", sranks: tuple, dranks: tuple) -> "TensorPlan":
@@ -220,6 +220,35 @@ class TensorPlan:
             return arrays
         (sp, sb), (dp, db) = self._canon.network_bytes_arrays()
         return (_rank_array(self._sranks)[sp], sb), (_rank_array(self._dranks)[dp], db)
+
+    def network_pieces(self, max_numel: int, itemsize: int) -> list[tuple[int, int, tuple]]:
+        """Per network pair a source rank sends: (source rank, destination rank, the byte
+        sizes of its moves' pieces), pieces as the schedule cuts them (a box over `max_numel`
+        elements into `Box.chunks`), in move order; pairs in order of their first move."""
+        canon = self._canon if self._canon is not None else self
+        cache = canon._pieces
+        if cache is None:
+            cache = canon._pieces = {}
+        pieces = cache.get((max_numel, itemsize))
+        if pieces is None:
+            senders, sidx, dsts, boxes, paths = canon.compact
+            by_pair: dict = {}
+            for j, d, box, path in zip(sidx, dsts, boxes, paths):
+                e = senders[j]
+                if path != NETWORK or e.side != "src":
+                    continue
+                n = box.numel
+                sizes = by_pair.setdefault((e.rank, d), [])
+                if n <= max_numel:
+                    sizes.append(n * itemsize)
+                else:
+                    sizes += [c.numel * itemsize for c in box.chunks(max_numel)]
+            pieces = cache[(max_numel, itemsize)] = [(s, d, tuple(v))
+                                                     for (s, d), v in by_pair.items()]
+        if self._canon is None:
+            return pieces
+        sr, dr = self._sranks, self._dranks
+        return [(sr[s], dr[d], sizes) for s, d, sizes in pieces]
 
     @property
     def totals(self) -> TensorStats:

@@ -4,17 +4,19 @@ Channels. Every transport is reached through one small interface, `channel.Chann
 (post / complete / abort); see `channel.py`.
 
 Order. Steps run in the global key order every process agrees on (see `Schedule`), where network
-groups span several rotations with the forwards sorting inside a group's rotations moved right
-after it (`plan.run_order`, the same for every process): a posted transfer completes once both
-of its ends posted it, so the earliest unfinished transfer can always finish.
+groups span several positions of a round with the forwards sorting inside a group's positions
+moved right after it (`plan.run_order`, the same for every process): a posted transfer
+completes once both of its ends posted it, so the earliest unfinished transfer can always
+finish.
 
 Groups. Packed network buckets are posted in groups (`Channel.post_group`: one NCCL launch,
 one handle). NCCL runs a process's groups one after another, and a group completes only when
 all of its messages do, so every process must cut the same groups out of the global order: a
-group is a run of keys with the same round and the same span of `window // 2` rotations (the
-schedule's key is (round, path, rotation, ...)), the same on every process whatever its share.
-In one rotation of one round a process sends at most one bucket and receives at most one, so a
-group needs at most `window` staging buffers; the earliest unfinished group can always finish.
+group is a run of keys with the same round and the same span of `plan.group_span` positions
+(`window // 2`, at most half a round; a network bucket's key is (round, path, position, ...),
+its turn), the same on every process whatever its share. In one turn a process sends at most
+one network bucket and receives at most one, so a group needs at most `window` staging buffers;
+the earliest unfinished group can always finish.
 A step whose items travel as their own messages is its own group. Network messages stay in
 flight (up to `window` staged buckets and `4 * window` messages); local copies run at once.
 
@@ -49,7 +51,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..errors import TransportTimeout
-from ..planning.plan import default_window, gc_paused
+from ..planning.plan import default_window, gc_paused, group_span
 from ..planning.planner import NETWORK
 from ..execution.program import COPY, SEND, Program
 from .channel import Channel, NetChannel, RingChannel
@@ -184,9 +186,9 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
             moved[st.path] += st.nbytes
 
     # Packed network buckets are posted in groups (one NCCL launch each; see the module
-    # docstring): rounds of the schedule cut into spans of `span` rotations, the same cut on
+    # docstring): rounds of the schedule cut into spans of `span` positions, the same cut on
     # every process, so each group holds at most `span` sends and `span` receives.
-    span = window // 2
+    span = group_span(window, prog.round_len)
     steps = prog.ordered(span)
     n_steps = len(steps)
     i = 0

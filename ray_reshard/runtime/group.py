@@ -254,6 +254,8 @@ class ReshardGroup:
         # The plan goes to the object store once; every process compiles its own share from
         # it (nothing here grows with the number of processes but the calls themselves) and
         # reports the largest bucket it sends each peer outside the network, to size rings.
+        if self.strategy == "reshard":
+            p.network_turns(self.bucket_bytes)    # computed once here, shipped with the plan
         with gc_paused():
             plan_ref = ray.put(p)
         refs = [a.__ray_call__.remote(worker.install, self.group_id, key, plan_ref, None,

@@ -3,13 +3,13 @@
 Model
 -----
 Every process runs its share of the schedule in the order the executor runs it (the global
-key order, `plan.run_order` where network groups span several rotations); the simulator walks
-that order once and keeps per process a host clock, a stream clock (with `host_overlap`; else
-the host does the copies and the two are one), the end of its last network group, and its
-network groups in flight:
+key order, `plan.run_order` where network groups span several positions of a round); the
+simulator walks that order once and keeps per process a host clock, a stream clock (with
+`host_overlap`; else the host does the copies and the two are one), the end of its last
+network group, and its network groups in flight:
 
 * network buckets are posted in groups: a run of keys with the same round and the same span of
-  `window // 2` rotations (on a CPU cluster, a bucket whose items all travel as their own
+  `plan.group_span` positions (on a CPU cluster, a bucket whose items all travel as their own
   messages is its own group). Posting needs a staging buffer per packed bucket; with `window`
   buffers (or `4 * window` messages) in use the process first completes its oldest group, then
   unpacks it. Packing runs before the post, and the group starts no sooner than the stream
@@ -59,9 +59,9 @@ Predicted = max(replay, floor) + `refit_overhead_s`.
 
 Two ways to get the buckets: `exact` walks `Plan.schedule(bucket_bytes).transfers` (the buckets
 the executor runs); `aggregate` sums each (sender, receiver, path) pair's bytes, items and
-copies from the plan's moves and cuts them into buckets of `bucket_bytes` the way the schedule
-does, in the same key order, which avoids building the schedule (millions of items at
-DeepSeek-V3 scale). A forwarded (source, forwarder, target) total fills its share of the
+copies from the plan's moves and cuts them into as many about equal buckets as the schedule
+does, at the schedule's turns (`Plan.network_turns`) and in its key order, which avoids
+building the schedule (millions of items at DeepSeek-V3 scale). A forwarded (source, forwarder, target) total fills its share of the
 network pair's rounds (all of them where the target takes everything the pair brings); per
 (forwarder, target, segment) the totals are merged and cut into buckets placed as
 `plan.forward_key` places them, and a forward waits for all of its forwarder's groups of the
@@ -86,7 +86,7 @@ from typing import Optional
 import numpy as np
 
 from ..planning.plan import (DEFAULT_BUCKET_BYTES, MAX_WINDOW, Plan, default_window, forward_key,
-                             forward_segment, is_forward_key, parent_key, rotation,
+                             forward_segment, group_span, is_forward_key, parent_key, rotation,
                              segment_rotations)
 from ..planning.planner import DOMAIN, LOCAL, NETWORK
 from .cluster import Cluster
@@ -125,7 +125,7 @@ class Messages:
     per_item: np.ndarray
     parent: np.ndarray
     mode: str
-    slot: Optional[np.ndarray] = None   # the key's rotation field (network groups, forwards)
+    slot: Optional[np.ndarray] = None   # the key's position in its round (groups, forwards)
 
 
 # Network items at least this large travel as their own messages on CPU devices (the
@@ -259,10 +259,11 @@ def _share_of(total: int, n: int, k: int) -> int:
 
 def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Messages:
     """Per (sender, receiver, path) byte and item totals cut into buckets of at most
-    bucket_bytes, in the schedule's key order: a pair's bytes in ceil(total / bucket_bytes)
-    about equal buckets, its k-th in round k; what a forwarder passes on to one
-    target out of a segment of round k (each network pair's forwarded bytes placed in that
-    pair's rounds) merged and cut into buckets placed as `plan.forward_key` places them."""
+    bucket_bytes, in the schedule's key order: a network pair's bytes in as many about equal
+    buckets as the schedule cuts (others ceil(total / bucket_bytes)), its k-th at its k-th turn
+    (`Plan.network_turns`; others in round k); what a forwarder passes on to one target out of
+    a segment of a round (each network pair's forwarded bytes placed in that pair's turns)
+    merged and cut into buckets placed as `plan.forward_key` places them."""
     n_src, world = _gpu(plan)
     n_dst = world - n_src
     staging = _Staging(plan)
@@ -296,10 +297,14 @@ def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
                 e[j] += count * v[j]
             e[6] = min(e[6], v[6])
     rows = []       # (key, sender, receiver, path, bytes, items, 4 copied counts, per item)
+    turns = plan.network_turns(bucket_bytes)      # the schedule's, so its bucket counts too
+    n_rot = max(n_src, n_dst)
     net_of = {}
     for (snd, rcv, code, parent), v in pairs.items():
         if parent < 0:
-            net_of[(snd, rcv)] = (max(1, -(-v[0] // bucket_bytes)), v[0])
+            n = (len(turns[(snd, rcv - n_src)]) if code == PATH_CODE[NETWORK]
+                 else max(1, -(-v[0] // bucket_bytes)))
+            net_of[(snd, rcv)] = (n, v[0])
     # what each forwarder passes to each target per round: (f, t, path, k) -> totals
     fwd: dict[tuple, list] = defaultdict(lambda: [0.0] * 6)
     for (snd, rcv, code, parent), v in pairs.items():
@@ -313,20 +318,24 @@ def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
             ks = [(parent + rcv + i * nbk // m) % nbk for i in range(m)]
             sizes = [_share_of(pair_bytes, nbk, k) for k in ks]
             whole = sum(sizes) or 1
-            seg = forward_segment(rotation(parent, snd - n_src, n_src, n_dst), n_src, n_dst)
+            pair_turns = turns[(parent, snd - n_src)]
             for k, size in zip(ks, sizes):
-                e = fwd[(snd, rcv, code, k, seg)]
+                rnd, pos = divmod(pair_turns[k], n_rot)
+                e = fwd[(snd, rcv, code, rnd, forward_segment(pos, n_src, n_dst))]
                 for j in range(6):
                     e[j] += v[j] * size / whole
             continue
         n = net_of[(snd, rcv)][0]
         tot, items = v[0], v[1]
         rot = rotation(snd, rcv - n_src, n_src, n_dst)
+        pair_turns = turns[(snd, rcv - n_src)] if code == PATH_CODE[NETWORK] else None
         for k in range(n):
             nb = _share_of(tot, n, k)
             share = nb / max(1, tot)
             it = max(1, items // n + (k < items % n))
-            rows.append(((k, code, rot, snd, rcv - n_src, 0, -1), snd, rcv, code, nb, it,
+            key = ((k, code, rot, snd, rcv - n_src, 0, -1) if pair_turns is None else
+                   (pair_turns[k] // n_rot, code, pair_turns[k] % n_rot, snd, rcv - n_src, 0, -1))
+            rows.append((key, snd, rcv, code, nb, it,
                          *(int(v[j] * share) for j in (2, 3, 4, 5)),
                          code == 0 and v[6] >= IN_PLACE_MIN_BYTES))
     for (f, t, code, k, seg), v in fwd.items():
@@ -468,7 +477,7 @@ def replay(plan: Plan, msgs: Messages, cluster: Cluster, bucket_bytes: int,
     n_src, world = _gpu(plan)
     st = plan.stats
     W = window or default_window(bucket_bytes)
-    msgs = _in_run_order(msgs, W // 2)
+    msgs = _in_run_order(msgs, group_span(W, max(n_src, world - n_src)))
     net = msgs.path == PATH_CODE[NETWORK]
     dom = msgs.path == PATH_CODE[DOMAIN]
     R = int(msgs.round.max()) + 1 if len(msgs.round) else 0
@@ -532,8 +541,8 @@ def replay(plan: Plan, msgs: Messages, cluster: Cluster, bucket_bytes: int,
 
 
 def _in_run_order(msgs: Messages, span: int) -> Messages:
-    """The rows in the order processes run them with network groups of `span` rotations
-    (`plan.run_order`: forwards sorting inside a group's rotations run right after it)."""
+    """The rows in the order processes run them with network groups of `span` positions
+    (`plan.run_order`: forwards sorting inside a group's positions run right after it)."""
     if span <= 1 or msgs.slot is None or not len(msgs.round):
         return msgs
     fwd = msgs.order == FORWARD_ORDER
@@ -608,7 +617,7 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, base
 
     Returns each process's finishing time and, for process `watch`, per round: (first start,
     last end, [NIC out, NIC in, NVLink out, NVLink in] bytes, CPU work, link seconds)."""
-    span = W // 2
+    span = group_span(W, max(n_src, world - n_src))
     max_msgs = 4 * W
     packed_only = cluster.per_item_min_bytes is None
     nic, nvl, lat = cluster.nic_Bps, cluster.nvlink_Bps, cluster.latency_s
@@ -755,7 +764,7 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, base
     def group_key(i):
         if path[i] != 0 or per_item[i] or not span:
             return None
-        return (rnd[i], rotation(snd[i], rcv[i] - n_src, n_src, world - n_src) // span)
+        return (rnd[i], slot[i] // span)
 
     n = len(rnd)
     i = 0
