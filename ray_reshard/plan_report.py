@@ -51,6 +51,13 @@ def traffic(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES, top: int = 3,
     else:
         for (_, _, path), b in pairs.items():
             buckets[path] += math.ceil(b / bucket_bytes)
+    turns = plan.network_turns(bucket_bytes)     # None: the rotation schedule (a large plan)
+    per_rank: dict = defaultdict(int)           # network buckets each rank sends or receives
+    for (s, d), ts in (turns or {}).items():
+        per_rank[("src", s)] += len(ts)
+        per_rank[("dst", d)] += len(ts)
+    if turns is not None:
+        buckets[NETWORK] = sum(per_rank.values()) // 2
     send, recv = plan.send_bytes_by_rank, plan.recv_bytes_by_rank
     busiest = lambda d, doms: [{"rank": r, "domain": str(doms[r]), "bytes": b}
                                for r, b in sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))[:top]]
@@ -71,6 +78,10 @@ def traffic(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES, top: int = 3,
         "bucket_bytes": bucket_bytes,
         "buckets_by_path": buckets, "buckets_exact": exact,
         "pairs_by_path": {p: sum(1 for k in pairs if k[2] == p) for p in PATHS},
+        "network_turns": (None if turns is None else
+                          1 + max((ts[-1] for ts in turns.values()), default=-1)),
+        "busiest_rank_network_buckets": None if turns is None else max(per_rank.values(),
+                                                                       default=0),
         "staging_window": window,
         "peak_staging_bound_bytes": min(window * bucket_bytes,
                                         max(handled.values(), default=0)),
@@ -106,10 +117,16 @@ def render(t: dict, title: Optional[str] = None) -> str:
         f"busiest receivers (network, mean {gb(t['mean_recv_bytes'])}): "
         + ", ".join(f"dst {x['rank']} {gb(x['bytes'])}" for x in t["busiest_receivers"]),
         f"buckets of {t['bucket_bytes'] / 2 ** 20:g} MiB"
-        + (" (from the schedule): " if t["buckets_exact"] else " (at least; full buckets): ")
+        + (" (from the schedule): " if t["buckets_exact"] else
+           " (network from the schedule's turns; domain and local at least, in full buckets): "
+           if t["network_turns"] is not None else " (at least; full buckets): ")
         + ", ".join(f"{p} {t['buckets_by_path'][p]} over "
                                                f"{t['pairs_by_path'][p]} pairs"
                                                for p in ("network", "domain", "local")),
+        (f"network buckets in {t['network_turns']} turns (a rank sends at most one and "
+         f"receives at most one per turn; the busiest has {t['busiest_rank_network_buckets']}, "
+         f"so no schedule takes fewer)" if t["network_turns"] is not None else
+         "network buckets in rounds of rotations (too many pairs to count for turns)"),
         f"peak staging per rank: at most {t['peak_staging_bound_bytes'] / 2 ** 20:,.1f} MiB "
         f"({t['staging_window']} buckets, the executor's default window, or all a rank moves "
         f"if less; only strided pieces and dtype conversions are staged)",

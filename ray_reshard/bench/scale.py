@@ -18,7 +18,7 @@ binding the program again from scratch, without and with every part's copy table
 on a GPU).
 
 first-refit: every step the driver and each process pay on the first refit of a spec set:
-specs, plan, `ray.put` of the plan (the driver ships it once), unpickling it and compiling the
+specs, plan, its network turns, `ray.put` of the plan (the driver ships it once), unpickling it and compiling the
 busiest processes' programs (what each actor does, in parallel, each in a fresh process here),
 the bytes shipped, and the driver total; for the real recipes and a 1024 -> 1024 rank layout.
 """
@@ -294,14 +294,16 @@ def first_refit(args) -> None:
     if args.wide:
         cases.append(WIDE)
     head = (f"{'model':<18} {'ranks':>11} {'tensors':>7} {'specs s':>7} {'plan s':>6} "
-            f"{'put s':>6} {'driver s':>8} {'shipped MB':>10} {'actor load s':>12} "
+            f"{'turns s':>9} {'put s':>6} {'driver s':>8} {'shipped MB':>10} {'actor load s':>12} "
             f"{'actor compile s (dst/src)':>25} {'actor s':>7} {'lookup s (1st/next)':>17} "
             f"{'old schedule s':>14}")
     torch.set_num_threads(1)
     print(f"First refit of a spec set, {args.bucket_mb} MiB buckets, {RANKS_PER_DOMAIN} ranks per "
           f"domain, CPU seconds. specs: the recipe's specs() (once per job). driver = what "
           f"refit() adds on the driver: looking the spec set up in the plan cache (lookup: "
-          f"first refit / every later one) + plan + pickling the plan once (ray.put; the object store "
+          f"first refit / every later one) + plan + its network turns (-: a plan too large to "
+          f"count, which keeps the rotation schedule) + pickling the plan once (ray.put; the "
+          f"object store "
           f"keeps one copy per node, which every actor there reads). Each actor, in its own "
           f"process (here: a fresh process per row, the busiest destination and source), "
           f"unpickles that plan (load) and compiles its own share (compile); actor s = the "
@@ -314,6 +316,9 @@ def first_refit(args) -> None:
             gc.collect()
             lookup: list = []        # the driver's plan cache looks a spec set up at every refit
             specs, p, st, t_specs, t_plan = build(config, train, infer, lookup)
+            t0 = time.process_time()
+            turns = p.network_turns(args.bucket_mb << 20)      # as the driver does, once
+            t_turns = time.process_time() - t0
             with gc_paused():
                 t0 = time.process_time()
                 blob = pickle.dumps(p, protocol=5)
@@ -334,10 +339,11 @@ def first_refit(args) -> None:
             hash(tuple(specs.items()))
             lookup.append(time.process_time() - t0)
             ranks = f"{train.world}->{infer.world}"
-            driver[ranks] = lookup[0] + t_plan + t_put
+            driver[ranks] = lookup[0] + t_plan + t_turns + t_put
             load = max(g["load"] for g in got)
+            turns_s = f"{t_turns:.2f}" if turns is not None else f"- ({t_turns:.2f})"
             print(f"{title:<18} {ranks:>11} {len(specs):>7} {t_specs:>7.2f} {t_plan:>6.2f} "
-                  f"{t_put:>6.2f} {driver[ranks]:>8.2f} {len(blob) / 1e6:>10.1f} "
+                  f"{turns_s:>9} {t_put:>6.2f} {driver[ranks]:>8.2f} {len(blob) / 1e6:>10.1f} "
                   f"{load:>12.2f} {got[0]['compile']:>12.2f} / {got[1]['compile']:<10.2f} "
                   f"{actor:>7.2f} {lookup[0]:>7.2f} / {lookup[1]:<7.2f} {old:>14}", flush=True)
             del specs, p, blob

@@ -206,14 +206,19 @@ class Plan:
         self._spec_columns = state.pop("spec_columns")
         self.__dict__.update(state)
 
-    def network_turns(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
+    def network_turns(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Optional[dict]:
         """{(source rank, destination rank): the turns of that network pair's buckets} for
         buckets of `bucket_bytes` (see `assign_turns`; cached, and shipped with the plan once
-        computed, so the processes compiling their shares do not each compute it)."""
+        computed, so the processes compiling their shares do not each compute it). None where
+        the plan has more than TURNS_MAX_ENTRIES (tensor, network pair) entries: its network
+        buckets keep the rotation schedule (bucket k of a pair in round k, at its rotation)."""
         cache = self.__dict__.setdefault("_turns", {})
         if bucket_bytes not in cache:
-            cache[bucket_bytes] = assign_turns(network_bucket_counts(self, bucket_bytes),
-                                               max(self.topology.n_src, self.topology.n_dst))
+            turns = None
+            if network_entries(self, bucket_bytes) <= TURNS_MAX_ENTRIES:
+                turns = assign_turns(network_bucket_counts(self, bucket_bytes),
+                                     max(self.topology.n_src, self.topology.n_dst))
+            cache[bucket_bytes] = turns
         return cache[bucket_bytes]
 
     def schedule(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> "Schedule":
@@ -574,6 +579,18 @@ def bucket_count(sizes, bucket_bytes: int) -> int:
     return len(bucket_starts(sizes, bucket_bytes)) + 1
 
 
+# Counting every network pair's buckets exactly walks each (tensor, network pair) entry of the
+# plan once, about 0.5 us each here: up to this many (a second or two, once per plan, on the
+# driver) network buckets go in turns; larger plans keep the rotation schedule.
+TURNS_MAX_ENTRIES = 2_000_000
+
+
+def network_entries(plan: "Plan", bucket_bytes: int) -> int:
+    """How many (tensor, network pair) entries `network_bucket_counts` walks."""
+    return sum(tp.n_network_pairs(max(1, bucket_bytes // spec.itemsize), spec.itemsize)
+               for tp, spec in zip(plan.tensor_plans, plan.specs))
+
+
 def network_bucket_counts(plan: "Plan", bucket_bytes: int) -> dict[tuple[int, int], int]:
     """{(source rank, destination rank): how many buckets of at most `bucket_bytes` the
     schedule cuts that network pair into}, from the whole plan's moves (per distinct tensor
@@ -630,11 +647,12 @@ def _first_fit(counts: Mapping[tuple[int, int], int], n_rot: int) -> dict:
     return {pair: tuple(v) for pair, v in out.items()}
 
 
-def _bucket_keys(n: int, src_rank: int, gsrc: int, dst: int, path: str, turns: dict, n_src: int,
-                 n_dst: int) -> list[tuple]:
+def _bucket_keys(n: int, src_rank: int, gsrc: int, dst: int, path: str, turns: Optional[dict],
+                 n_src: int, n_dst: int) -> list[tuple]:
     """The keys of a source-to-destination pair's n buckets: a network pair's at its turns
-    (round, network, position in the round, ...), the others at (k, path, rotation, ...)."""
-    if path != NETWORK:
+    (round, network, position in the round, ...), the others (and network pairs where `turns`
+    is None) at (k, path, rotation, ...)."""
+    if path != NETWORK or turns is None:
         rot = rotation(src_rank, dst, n_src, n_dst)
         return [(k, _PATH_ORDER[path], rot, gsrc, dst, 0, -1) for k in range(n)]
     pair_turns = turns.get((src_rank, dst), ())

@@ -221,6 +221,13 @@ class TensorPlan:
         (sp, sb), (dp, db) = self._canon.network_bytes_arrays()
         return (_rank_array(self._sranks)[sp], sb), (_rank_array(self._dranks)[dp], db)
 
+    def n_network_pairs(self, max_numel: int, itemsize: int) -> int:
+        """How many network pairs a source rank sends in (`network_pieces`, not renamed)."""
+        canon = self._canon if self._canon is not None else self
+        if canon._pieces is None or (max_numel, itemsize) not in canon._pieces:
+            canon.network_pieces(max_numel, itemsize)
+        return len(canon._pieces[(max_numel, itemsize)])
+
     def network_pieces(self, max_numel: int, itemsize: int) -> list[tuple[int, int, tuple]]:
         """Per network pair a source rank sends: (source rank, destination rank, the byte
         sizes of its moves' pieces), pieces as the schedule cuts them (a box over `max_numel`

@@ -302,7 +302,7 @@ def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
     net_of = {}
     for (snd, rcv, code, parent), v in pairs.items():
         if parent < 0:
-            n = (len(turns[(snd, rcv - n_src)]) if code == PATH_CODE[NETWORK]
+            n = (len(turns[(snd, rcv - n_src)]) if code == PATH_CODE[NETWORK] and turns
                  else max(1, -(-v[0] // bucket_bytes)))
             net_of[(snd, rcv)] = (n, v[0])
     # what each forwarder passes to each target per round: (f, t, path, k) -> totals
@@ -318,9 +318,10 @@ def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
             ks = [(parent + rcv + i * nbk // m) % nbk for i in range(m)]
             sizes = [_share_of(pair_bytes, nbk, k) for k in ks]
             whole = sum(sizes) or 1
-            pair_turns = turns[(parent, snd - n_src)]
+            pair_turns = turns[(parent, snd - n_src)] if turns else None
             for k, size in zip(ks, sizes):
-                rnd, pos = divmod(pair_turns[k], n_rot)
+                rnd, pos = ((k, rotation(parent, snd - n_src, n_src, n_dst)) if pair_turns is None
+                            else divmod(pair_turns[k], n_rot))
                 e = fwd[(snd, rcv, code, rnd, forward_segment(pos, n_src, n_dst))]
                 for j in range(6):
                     e[j] += v[j] * size / whole
@@ -328,7 +329,7 @@ def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
         n = net_of[(snd, rcv)][0]
         tot, items = v[0], v[1]
         rot = rotation(snd, rcv - n_src, n_src, n_dst)
-        pair_turns = turns[(snd, rcv - n_src)] if code == PATH_CODE[NETWORK] else None
+        pair_turns = turns[(snd, rcv - n_src)] if code == PATH_CODE[NETWORK] and turns else None
         for k in range(n):
             nb = _share_of(tot, n, k)
             share = nb / max(1, tot)

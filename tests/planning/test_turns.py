@@ -121,3 +121,27 @@ def test_schedule_puts_network_buckets_in_turns():
                                                      (1, 4, 0), (2, 1, 1), (8, 3, 1)])
 def test_group_span(window, round_len, span):
     assert group_span(window, round_len) == span
+
+
+def test_a_plan_too_large_to_count_keeps_the_rotation_schedule(monkeypatch):
+    """Above TURNS_MAX_ENTRIES (tensor, network pair) entries the network buckets keep the
+    rotation schedule: bucket k of (s, d) in round k at rotation (d - s) mod n."""
+    import sys
+
+    plan_module = sys.modules["ray_reshard.planning.plan"]    # the package exports plan()
+
+    p = _unequal_domains_plan()
+    bucket = 4096
+    assert plan_module.network_entries(p, bucket) > 1
+    monkeypatch.setattr(plan_module, "TURNS_MAX_ENTRIES", 1)
+    assert p.network_turns(bucket) is None
+    sched = p.schedule(bucket)
+    seen = Counter()
+    for t in sched.transfers:
+        if t.path == NETWORK:
+            s, d = t.src.rank, t.dst
+            assert t.key[:3] == (seen[(s, d)], 0, (d - s) % 12)
+            seen[(s, d)] += 1
+    assert seen == network_bucket_counts(p, bucket)
+    for ep in [Endpoint("src", 2), Endpoint("dst", 10)]:
+        assert build_share(p, [ep], bucket) == sched.for_endpoints([ep])
