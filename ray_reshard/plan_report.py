@@ -126,7 +126,8 @@ def render(t: dict, title: Optional[str] = None) -> str:
         (f"network buckets in {t['network_turns']} turns (a rank sends at most one and "
          f"receives at most one per turn; the busiest has {t['busiest_rank_network_buckets']}, "
          f"so no schedule takes fewer)" if t["network_turns"] is not None else
-         "network buckets in rounds of rotations (too many pairs to count for turns)"),
+         "network buckets in rounds of rotations (turns would not take fewer positions, or "
+         "too many pairs to count)"),
         f"peak staging per rank: at most {t['peak_staging_bound_bytes'] / 2 ** 20:,.1f} MiB "
         f"({t['staging_window']} buckets, the executor's default window, or all a rank moves "
         f"if less; only strided pieces and dtype conversions are staged)",

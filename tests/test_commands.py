@@ -44,8 +44,8 @@ def test_plan_text_json_and_pictures(tmp_path):
     figure(r"busiest receivers \(network, mean " + NUM + r" GB\): dst \d+ " + NUM, out)
     n_buckets, = figure(r"buckets of 32 MiB \(from the schedule\): network (\d+)", out)
     assert n_buckets > 0
-    turns, busiest = figure(r"network buckets in (\d+) turns .* the busiest has (\d+), so", out)
-    assert 0 < busiest <= turns <= n_buckets
+    # this small plan's pairs are alike: turns would not shorten the rotation schedule
+    assert "network buckets in rounds of rotations" in out
     figure(r"peak staging per rank: at most " + NUM + " MiB", out)
     for name in ("tilings.png", "domains.png"):
         with open(tmp_path / name, "rb") as f:
@@ -59,7 +59,7 @@ def test_plan_text_json_and_pictures(tmp_path):
     assert len(m) == 2 and len(m[0]) == 2
     assert sum(map(sum, m)) == data["bytes_by_path"]["network"]
     assert data["gather_broadcast_bytes"] > data["bytes_by_path"]["network"]
-    assert (data["network_turns"], data["busiest_rank_network_buckets"]) == (turns, busiest)
+    assert data["network_turns"] is None and data["busiest_rank_network_buckets"] is None
 
 
 def test_plan_and_simulate_several_inference_groups():

@@ -18,9 +18,10 @@ binding the program again from scratch, without and with every part's copy table
 on a GPU).
 
 first-refit: every step the driver and each process pay on the first refit of a spec set:
-specs, plan, its network turns, `ray.put` of the plan (the driver ships it once), unpickling it and compiling the
-busiest processes' programs (what each actor does, in parallel, each in a fresh process here),
-the bytes shipped, and the driver total; for the real recipes and a 1024 -> 1024 rank layout.
+specs, plan, its network turns, `ray.put` of the plan (the driver ships it once), unpickling it
+and compiling the busiest processes' programs (what each actor does, in parallel, each in a
+fresh process here), the bytes shipped, and the driver total; for the real recipes and a 1024 ->
+1024 rank layout (`--ranks-per-domain 72`: GB200 NVL72 domains instead of 8 GPUs).
 """
 from __future__ import annotations
 
@@ -66,11 +67,12 @@ WIDE = ("DeepSeek-V3 1024", DEEPSEEK_V3,
         (Megatron(tp=1, ep=64, etp=1, dp=64, **DSV3_PP16), VLLM(tp=32, dp=32)))
 
 
-def domains(n: int, side: str) -> list:
-    return [(side, r // RANKS_PER_DOMAIN) for r in range(n)]
+def domains(n: int, side: str, per_domain: int = RANKS_PER_DOMAIN) -> list:
+    return [(side, r // per_domain) for r in range(n)]
 
 
-def build(config, train, infer, lookup: Optional[list] = None):
+def build(config, train, infer, lookup: Optional[list] = None,
+          per_domain: int = RANKS_PER_DOMAIN):
     """Specs and plan of a recipe, with the CPU seconds of each. With `lookup`, also time
     what the driver's plan cache does first at every refit (`lookup` gets its seconds)."""
     t0 = time.process_time()
@@ -80,7 +82,8 @@ def build(config, train, infer, lookup: Optional[list] = None):
         hash(tuple(specs.items()))
         lookup.append(time.process_time() - t1)
         t1 = time.process_time()
-    p = make_plan(specs, domains(train.world, "train"), domains(infer.world, "infer"))
+    p = make_plan(specs, domains(train.world, "train", per_domain),
+                  domains(infer.world, "infer", per_domain))
     st = p.stats
     t2 = time.process_time()
     return specs, p, st, t1 - t0, t2 - t1
@@ -298,8 +301,9 @@ def first_refit(args) -> None:
             f"{'actor compile s (dst/src)':>25} {'actor s':>7} {'lookup s (1st/next)':>17} "
             f"{'old schedule s':>14}")
     torch.set_num_threads(1)
-    print(f"First refit of a spec set, {args.bucket_mb} MiB buckets, {RANKS_PER_DOMAIN} ranks per "
-          f"domain, CPU seconds. specs: the recipe's specs() (once per job). driver = what "
+    print(f"First refit of a spec set, {args.bucket_mb} MiB buckets, {args.ranks_per_domain} "
+          f"ranks per domain, CPU seconds. specs: the recipe's specs() (once per job). "
+          f"driver = what "
           f"refit() adds on the driver: looking the spec set up in the plan cache (lookup: "
           f"first refit / every later one) + plan + its network turns (-: a plan too large to "
           f"count, which keeps the rotation schedule) + pickling the plan once (ray.put; the "
@@ -315,7 +319,8 @@ def first_refit(args) -> None:
         for title, config, (train, infer) in cases:
             gc.collect()
             lookup: list = []        # the driver's plan cache looks a spec set up at every refit
-            specs, p, st, t_specs, t_plan = build(config, train, infer, lookup)
+            specs, p, st, t_specs, t_plan = build(config, train, infer, lookup,
+                                                  args.ranks_per_domain)
             t0 = time.process_time()
             turns = p.network_turns(args.bucket_mb << 20)      # as the driver does, once
             t_turns = time.process_time() - t0
@@ -369,6 +374,8 @@ def main(argv=None, cmd: str = "replay") -> int:
     else:
         ap.add_argument("--models", default="deepseek-v3,qwen3-235b")
         ap.add_argument("--wide", type=int, default=1, help="also the 1024 -> 1024 layout (0: no)")
+        ap.add_argument("--ranks-per-domain", type=int, default=RANKS_PER_DOMAIN,
+                        help="GPUs per NVLink domain (72: GB200 NVL72)")
         ap.add_argument("--old-schedule", action="store_true",
                         help="also time the global Plan.schedule() the driver built before")
         args = ap.parse_args(argv)

@@ -209,15 +209,28 @@ class Plan:
     def network_turns(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Optional[dict]:
         """{(source rank, destination rank): the turns of that network pair's buckets} for
         buckets of `bucket_bytes` (see `assign_turns`; cached, and shipped with the plan once
-        computed, so the processes compiling their shares do not each compute it). None where
-        the plan has more than TURNS_MAX_ENTRIES (tensor, network pair) entries: its network
-        buckets keep the rotation schedule (bucket k of a pair in round k, at its rotation)."""
+        computed, so the processes compiling their shares do not each compute it).
+
+        None where the network buckets keep the rotation schedule (bucket k of a pair in round
+        k, at its rotation): where the plan has more than TURNS_MAX_ENTRIES (tensor, network
+        pair) entries, or where turns would not take at least TURNS_MIN_GAIN fewer positions
+        than the rotation schedule occupies (its (round, rotation) positions holding a bucket:
+        a position one rank waits through for another costs about one bucket's time)."""
         cache = self.__dict__.setdefault("_turns", {})
         if bucket_bytes not in cache:
             turns = None
-            if network_entries(self, bucket_bytes) <= TURNS_MAX_ENTRIES:
-                turns = assign_turns(network_bucket_counts(self, bucket_bytes),
-                                     max(self.topology.n_src, self.topology.n_dst))
+            if network_entries(self) <= TURNS_MAX_ENTRIES:
+                pairs = _network_buckets(self, bucket_bytes)
+                n_src, n_dst = self.topology.n_src, self.topology.n_dst
+                turns = assign_turns({pair: n for pair, (n, _) in pairs.items()},
+                                     max(n_src, n_dst),
+                                     late={pair for pair, (n, nbytes) in pairs.items()
+                                           if nbytes < n * (bucket_bytes // SMALL_BUCKET)})
+                occupied = len({(k, rotation(s, d, n_src, n_dst))
+                                for (s, d), (n, _) in pairs.items() for k in range(n)})
+                used = 1 + max((ts[-1] for ts in turns.values()), default=-1)
+                if used > (1 - TURNS_MIN_GAIN) * occupied:
+                    turns = None
             cache[bucket_bytes] = turns
         return cache[bucket_bytes]
 
@@ -583,18 +596,24 @@ def bucket_count(sizes, bucket_bytes: int) -> int:
 # plan once, about 0.5 us each here: up to this many (a second or two, once per plan, on the
 # driver) network buckets go in turns; larger plans keep the rotation schedule.
 TURNS_MAX_ENTRIES = 2_000_000
+# Turns replace the rotation schedule only where they take this much fewer positions.
+TURNS_MIN_GAIN = 0.05
 
 
-def network_entries(plan: "Plan", bucket_bytes: int) -> int:
+def network_entries(plan: "Plan") -> int:
     """How many (tensor, network pair) entries `network_bucket_counts` walks."""
-    return sum(tp.n_network_pairs(max(1, bucket_bytes // spec.itemsize), spec.itemsize)
-               for tp, spec in zip(plan.tensor_plans, plan.specs))
+    return sum(tp.n_network_pairs() for tp in plan.tensor_plans)
 
 
 def network_bucket_counts(plan: "Plan", bucket_bytes: int) -> dict[tuple[int, int], int]:
     """{(source rank, destination rank): how many buckets of at most `bucket_bytes` the
     schedule cuts that network pair into}, from the whole plan's moves (per distinct tensor
     plan, renamed per tensor)."""
+    return {pair: n for pair, (n, _) in _network_buckets(plan, bucket_bytes).items()}
+
+
+def _network_buckets(plan: "Plan", bucket_bytes: int) -> dict[tuple[int, int], tuple[int, int]]:
+    """{network pair: (its buckets, its bytes)} (see `network_bucket_counts`)."""
     sizes: dict[tuple[int, int], list] = {}
     with gc_paused():
         for ti, tp in enumerate(plan.tensor_plans):
@@ -605,10 +624,16 @@ def network_bucket_counts(plan: "Plan", bucket_bytes: int) -> dict[tuple[int, in
                     sizes[(s, d)] = list(piece_sizes)
                 else:
                     got += piece_sizes
-        return {pair: bucket_count(v, bucket_bytes) for pair, v in sizes.items()}
+        return {pair: (bucket_count(v, bucket_bytes), sum(v)) for pair, v in sizes.items()}
 
 
-def assign_turns(counts: Mapping[tuple[int, int], int], n_rot: int) -> dict[tuple[int, int], tuple]:
+# A network pair whose buckets average under bucket_bytes / SMALL_BUCKET takes its turns after
+# the others (see `assign_turns`).
+SMALL_BUCKET = 4
+
+
+def assign_turns(counts: Mapping[tuple[int, int], int], n_rot: int,
+                 late: Iterable[tuple[int, int]] = ()) -> dict[tuple[int, int], tuple]:
     """The turn of every network bucket: {(source rank, destination rank): the turns of that
     pair's buckets, increasing}. In one turn a source sends at most one bucket and a
     destination receives at most one; a bucket's key is (turn // n_rot, ..., turn % n_rot):
@@ -621,15 +646,25 @@ def assign_turns(counts: Mapping[tuple[int, int], int], n_rot: int) -> dict[tupl
     turns lighter pairs leave free instead of trailing in sparse late rounds, so a rank's
     buckets take about as many turns as it has buckets (the most any schedule needs is the
     largest such count: each turn is a matching). Deterministic: every process computes the
-    same turns from the same counts."""
+    same turns from the same counts.
+
+    The pairs in `late` (small buckets: a turn counts them as much as a full one, though they
+    take little time) take their turns after all the others have theirs, in the gaps those
+    leave or after them, so they do not push full buckets of the busiest ranks back."""
+    late = frozenset(late)
     with gc_paused():
-        return _first_fit(counts, n_rot)
+        busy_src: dict[int, int] = defaultdict(int)       # bit t set: busy in turn t
+        busy_dst: dict[int, int] = defaultdict(int)
+        out: dict[tuple[int, int], tuple] = {}
+        for first in (True, False):
+            out.update(_first_fit({pair: c for pair, c in counts.items()
+                                   if (pair in late) != first}, n_rot, busy_src, busy_dst))
+        return out
 
 
-def _first_fit(counts: Mapping[tuple[int, int], int], n_rot: int) -> dict:
+def _first_fit(counts: Mapping[tuple[int, int], int], n_rot: int, busy_src: dict,
+               busy_dst: dict) -> dict:
     pairs = sorted(counts, key=lambda sd: ((sd[1] - sd[0]) % n_rot, sd))
-    busy_src: dict[int, int] = defaultdict(int)       # bit t set: busy in turn t
-    busy_dst: dict[int, int] = defaultdict(int)
     out: dict[tuple[int, int], list] = {pair: [] for pair in pairs}
     k = 0
     while pairs:

@@ -221,12 +221,19 @@ class TensorPlan:
         (sp, sb), (dp, db) = self._canon.network_bytes_arrays()
         return (_rank_array(self._sranks)[sp], sb), (_rank_array(self._dranks)[dp], db)
 
-    def n_network_pairs(self, max_numel: int, itemsize: int) -> int:
-        """How many network pairs a source rank sends in (`network_pieces`, not renamed)."""
+    def n_network_pairs(self) -> int:
+        """How many network pairs a source rank sends in (those of `network_pieces`)."""
         canon = self._canon if self._canon is not None else self
-        if canon._pieces is None or (max_numel, itemsize) not in canon._pieces:
-            canon.network_pieces(max_numel, itemsize)
-        return len(canon._pieces[(max_numel, itemsize)])
+        cache = canon._pieces
+        if cache is None:
+            cache = canon._pieces = {}
+        n = cache.get("pairs")
+        if n is None:
+            senders, sidx, dsts, _, paths = canon.compact
+            net = {j for j, e in enumerate(senders) if e.side == "src"}
+            n = cache["pairs"] = len({(j, d) for j, d, path in zip(sidx, dsts, paths)
+                                      if path == NETWORK and j in net})
+        return n
 
     def network_pieces(self, max_numel: int, itemsize: int) -> list[tuple[int, int, tuple]]:
         """Per network pair a source rank sends: (source rank, destination rank, the byte

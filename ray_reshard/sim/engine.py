@@ -61,8 +61,9 @@ Two ways to get the buckets: `exact` walks `Plan.schedule(bucket_bytes).transfer
 the executor runs); `aggregate` sums each (sender, receiver, path) pair's bytes, items and
 copies from the plan's moves and cuts them into as many about equal buckets as the schedule
 does, at the schedule's turns (`Plan.network_turns`) and in its key order, which avoids
-building the schedule (millions of items at DeepSeek-V3 scale). A forwarded (source, forwarder, target) total fills its share of the
-network pair's rounds (all of them where the target takes everything the pair brings); per
+building the schedule (millions of items at DeepSeek-V3 scale). A forwarded (source,
+forwarder, target) total fills its share of the network pair's turns (all of them where the
+target takes everything the pair brings); per
 (forwarder, target, segment) the totals are merged and cut into buckets placed as
 `plan.forward_key` places them, and a forward waits for all of its forwarder's groups of the
 earlier segments.

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from ray_reshard.layout import Layout, Mesh, Replicate, Shard, TensorSpec
 from ray_reshard.planning import Endpoint, plan
 from ray_reshard.planning.plan import (assign_turns, bucket_count, bucket_starts, build_share,
-                                       group_span, network_bucket_counts)
+                                       group_span, network_bucket_counts, network_entries)
 from ray_reshard.planning.planner import NETWORK
 
 F32 = torch.float32
@@ -93,6 +93,9 @@ def test_schedule_puts_network_buckets_in_turns():
     sched = p.schedule(bucket)
     net = [t for t in sched.transfers if t.path == NETWORK]
     assert Counter((t.src.rank, t.dst) for t in net) == counts
+    entries = {(ti, m.src.rank, m.dst) for ti, tp in enumerate(p.tensor_plans) for m in tp.moves
+               if m.path == NETWORK and m.src.side == "src"}
+    assert network_entries(p) == len(entries)
     n_rot = 12
     turns = p.network_turns(bucket)
     per_turn_src, per_turn_dst = Counter(), Counter()
@@ -132,7 +135,7 @@ def test_a_plan_too_large_to_count_keeps_the_rotation_schedule(monkeypatch):
 
     p = _unequal_domains_plan()
     bucket = 4096
-    assert plan_module.network_entries(p, bucket) > 1
+    assert plan_module.network_entries(p) > 1
     monkeypatch.setattr(plan_module, "TURNS_MAX_ENTRIES", 1)
     assert p.network_turns(bucket) is None
     sched = p.schedule(bucket)
@@ -145,3 +148,14 @@ def test_a_plan_too_large_to_count_keeps_the_rotation_schedule(monkeypatch):
     assert seen == network_bucket_counts(p, bucket)
     for ep in [Endpoint("src", 2), Endpoint("dst", 10)]:
         assert build_share(p, [ep], bucket) == sched.for_endpoints([ep])
+
+
+def test_alike_pairs_keep_the_rotation_schedule_where_turns_gain_nothing():
+    """TP4 -> TP4 by columns across domains: every pair has as many buckets, so turns would take
+    as many positions as the rotation schedule occupies, and the plan keeps it."""
+    specs = {f"w{i}": TensorSpec((64, 64), F32, Layout.sharded([0, 1, 2, 3], 0),
+                                 Layout.sharded([0, 1, 2, 3], 1)) for i in range(4)}
+    p = plan(specs, src_domains=list("abcd"), dst_domains=list("efgh"))
+    assert set(network_bucket_counts(p, 1024).values()) == {4}
+    assert p.network_turns(1024) is None
+    assert _unequal_domains_plan().network_turns(4096) is not None
