@@ -13,7 +13,7 @@ import math
 from collections import defaultdict
 from typing import Any, Optional
 
-from .planning.plan import DEFAULT_BUCKET_BYTES, Plan, default_window
+from .planning.plan import DEFAULT_BUCKET_BYTES, Plan, default_window, network_entries
 from .planning.planner import NETWORK, PATHS
 
 
@@ -78,6 +78,7 @@ def traffic(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES, top: int = 3,
         "bucket_bytes": bucket_bytes,
         "buckets_by_path": buckets, "buckets_exact": exact,
         "pairs_by_path": {p: sum(1 for k in pairs if k[2] == p) for p in PATHS},
+        "network_entries": network_entries(plan),
         "network_turns": (None if turns is None else
                           1 + max((ts[-1] for ts in turns.values()), default=-1)),
         "busiest_rank_network_buckets": None if turns is None else max(per_rank.values(),
@@ -127,7 +128,8 @@ def render(t: dict, title: Optional[str] = None) -> str:
          f"receives at most one per turn; the busiest has {t['busiest_rank_network_buckets']}, "
          f"so no schedule takes fewer)" if t["network_turns"] is not None else
          "network buckets in rounds of rotations (turns would not take fewer positions, or "
-         "too many pairs to count)"),
+         "too many pairs to count)")
+        + f"; {t['network_entries']:,} (tensor, network pair) entries",
         f"peak staging per rank: at most {t['peak_staging_bound_bytes'] / 2 ** 20:,.1f} MiB "
         f"({t['staging_window']} buckets, the executor's default window, or all a rank moves "
         f"if less; only strided pieces and dtype conversions are staged)",
