@@ -545,8 +545,8 @@ def bucket_starts(sizes, bucket_bytes: int) -> list[int]:
     The pair's bytes go into n = ceil(total / bucket_bytes) buckets of about equal size: each
     bucket ends at the entry boundary nearest its share of the total, never past
     `bucket_bytes` (an entry larger than that goes alone; where entries do not fit n buckets
-    there are more). Equal buckets keep a round's pairs alike in size: a pair's k-th bucket runs
-    in round k, and a round whose pairs are uneven runs at the pace of its largest."""
+    there are more). Equal buckets keep the pairs of a turn (a round, in the rotation
+    schedule) alike in size: one whose pairs are uneven runs at the pace of its largest."""
     if sum(sizes) <= bucket_bytes:          # one bucket (most pairs of a large plan)
         return []
     ends = list(accumulate(int(x) for x in sizes))
