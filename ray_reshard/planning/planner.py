@@ -152,7 +152,7 @@ class TensorPlan:
     """
 
     __slots__ = ("shape", "itemsize", "_moves", "_stats", "_rotations", "_canon", "_sranks",
-                 "_dranks", "_by_ep", "_compact", "_index", "_arrays", "_pieces")
+                 "_dranks", "_by_ep", "_compact", "_index", "_arrays", "_pieces", "_n_pairs")
 
     def __init__(self, shape: tuple[int, ...], itemsize: int, moves: tuple[Move, ...],
                  stats: TensorStats, rotations: int = 1):
@@ -163,6 +163,7 @@ class TensorPlan:
         self._rotations = rotations
         self._canon = self._sranks = self._dranks = None
         self._by_ep = self._compact = self._index = self._arrays = self._pieces = None
+        self._n_pairs = None
 
     @classmethod
     def renamed(cls, canon: "TensorPlan", sranks: tuple, dranks: tuple) -> "TensorPlan":
@@ -224,16 +225,12 @@ class TensorPlan:
     def n_network_pairs(self) -> int:
         """How many network pairs a source rank sends in (those of `network_pieces`)."""
         canon = self._canon if self._canon is not None else self
-        cache = canon._pieces
-        if cache is None:
-            cache = canon._pieces = {}
-        n = cache.get("pairs")
-        if n is None:
+        if canon._n_pairs is None:
             senders, sidx, dsts, _, paths = canon.compact
             net = {j for j, e in enumerate(senders) if e.side == "src"}
-            n = cache["pairs"] = len({(j, d) for j, d, path in zip(sidx, dsts, paths)
-                                      if path == NETWORK and j in net})
-        return n
+            canon._n_pairs = len({(j, d) for j, d, path in zip(sidx, dsts, paths)
+                                  if path == NETWORK and j in net})
+        return canon._n_pairs
 
     def network_pieces(self, max_numel: int, itemsize: int) -> list[tuple[int, int, tuple]]:
         """Per network pair a source rank sends: (source rank, destination rank, the byte
