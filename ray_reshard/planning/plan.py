@@ -363,7 +363,7 @@ def build_schedule(plan: Plan, bucket_bytes: int) -> Schedule:
         turns = plan.network_turns(bucket_bytes) if pair_items else {}
         for (src, dst, path), entries in pair_items.items():
             packed = _pack(entries, bucket_bytes)
-            keys = _bucket_keys(len(packed), src.rank, gid(src), dst, path, turns, n_src,
+            keys = bucket_keys(len(packed), src.rank, gid(src), dst, path, turns, n_src,
                                 topo.n_dst)
             for key, bucket in zip(keys, packed):
                 transfers.append(_transfer(isz, key, src, dst, path, bucket))
@@ -515,7 +515,7 @@ def _share(plan: Plan, mine: frozenset, bucket_bytes: int) -> list[Transfer]:
         n, pair_buckets = buckets(i, pair_lists[i])
         if not n:
             continue
-        keys = _bucket_keys(n, src.rank, gsrc, dst, path, turns, n_src, n_dst)
+        keys = bucket_keys(n, src.rank, gsrc, dst, path, turns, n_src, n_dst)
         for k, bucket in pair_buckets:
             key = keys[k]
             if ours:
@@ -682,9 +682,10 @@ def _first_fit(counts: Mapping[tuple[int, int], int], n_rot: int, busy_src: dict
     return {pair: tuple(v) for pair, v in out.items()}
 
 
-def _bucket_keys(n: int, src_rank: int, gsrc: int, dst: int, path: str, turns: Optional[dict],
+def bucket_keys(n: int, src_rank: int, gsrc: int, dst: int, path: str, turns: Optional[dict],
                  n_src: int, n_dst: int) -> list[tuple]:
-    """The keys of a source-to-destination pair's n buckets: a network pair's at its turns
+    """The keys of a source-to-destination pair's n buckets (`gsrc`: the sender's number in
+    the key, sources first): a network pair's at its turns
     (round, network, position in the round, ...), the others (and network pairs where `turns`
     is None) at (k, path, rotation, ...)."""
     if path != NETWORK or turns is None:

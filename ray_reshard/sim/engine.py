@@ -86,8 +86,8 @@ from typing import Optional
 
 import numpy as np
 
-from ..planning.plan import (DEFAULT_BUCKET_BYTES, MAX_WINDOW, Plan, default_window, forward_key,
-                             forward_segment, group_span, is_forward_key, parent_key, rotation,
+from ..planning.plan import (DEFAULT_BUCKET_BYTES, MAX_WINDOW, Plan, bucket_keys, default_window,
+                             forward_key, forward_segment, group_span, is_forward_key, parent_key,
                              segment_rotations)
 from ..planning.planner import DOMAIN, LOCAL, NETWORK
 from .cluster import Cluster
@@ -299,7 +299,6 @@ def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
             e[6] = min(e[6], v[6])
     rows = []       # (key, sender, receiver, path, bytes, items, 4 copied counts, per item)
     turns = plan.network_turns(bucket_bytes)      # the schedule's, so its bucket counts too
-    n_rot = max(n_src, n_dst)
     net_of = {}
     for (snd, rcv, code, parent), v in pairs.items():
         if parent < 0:
@@ -319,25 +318,21 @@ def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
             ks = [(parent + rcv + i * nbk // m) % nbk for i in range(m)]
             sizes = [_share_of(pair_bytes, nbk, k) for k in ks]
             whole = sum(sizes) or 1
-            pair_turns = turns[(parent, snd - n_src)] if turns else None
+            keys = bucket_keys(nbk, parent, parent, snd - n_src, NETWORK,
+                               turns if (parent, snd) in net_of else None, n_src, n_dst)
             for k, size in zip(ks, sizes):
-                rnd, pos = ((k, rotation(parent, snd - n_src, n_src, n_dst)) if pair_turns is None
-                            else divmod(pair_turns[k], n_rot))
-                e = fwd[(snd, rcv, code, rnd, forward_segment(pos, n_src, n_dst))]
+                e = fwd[(snd, rcv, code, keys[k][0], forward_segment(keys[k][2], n_src, n_dst))]
                 for j in range(6):
                     e[j] += v[j] * size / whole
             continue
         n = net_of[(snd, rcv)][0]
         tot, items = v[0], v[1]
-        rot = rotation(snd, rcv - n_src, n_src, n_dst)
-        pair_turns = turns[(snd, rcv - n_src)] if code == PATH_CODE[NETWORK] and turns else None
+        keys = bucket_keys(n, snd, snd, rcv - n_src, PATHS[code], turns, n_src, n_dst)
         for k in range(n):
             nb = _share_of(tot, n, k)
             share = nb / max(1, tot)
             it = max(1, items // n + (k < items % n))
-            key = ((k, code, rot, snd, rcv - n_src, 0, -1) if pair_turns is None else
-                   (pair_turns[k] // n_rot, code, pair_turns[k] % n_rot, snd, rcv - n_src, 0, -1))
-            rows.append((key, snd, rcv, code, nb, it,
+            rows.append((keys[k], snd, rcv, code, nb, it,
                          *(int(v[j] * share) for j in (2, 3, 4, 5)),
                          code == 0 and v[6] >= IN_PLACE_MIN_BYTES))
     for (f, t, code, k, seg), v in fwd.items():
