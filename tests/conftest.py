@@ -15,6 +15,31 @@ def pytest_collection_modifyitems(config, items):
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
+# Under CI (CI=true) only tests marked `gpu` may skip: a test skipped for anything else (a
+# missing compiler, vLLM, a package) hides work, so the run fails and names it.
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+_skipped_in_ci: list = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if IN_CI and report.skipped and item.get_closest_marker("gpu") is None:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _skipped_in_ci.append(f"{item.nodeid}: {reason}")
+        report.outcome = "failed"
+        report.longrepr = (f"skipped under CI=true ({reason}); only tests marked gpu may skip "
+                           f"in CI: install what this test needs")
+
+
+def pytest_collectreport(report):
+    """A whole module skipped at import (pytest.importorskip at the top) counts too."""
+    if IN_CI and report.skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _skipped_in_ci.append(f"{report.nodeid}: {reason}")
+        report.outcome = "failed"
+
 
 @pytest.fixture(scope="module")
 def cluster():
@@ -35,3 +60,12 @@ def pytest_sessionfinish(session, exitstatus):
     from ray_reshard.testing import shutdown_shared
 
     shutdown_shared()
+    if _skipped_in_ci:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _skipped_in_ci:
+        terminalreporter.section("skips turned into failures (CI=true)")
+        for line in _skipped_in_ci:
+            terminalreporter.write_line(line)
