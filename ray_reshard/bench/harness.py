@@ -1,0 +1,170 @@
+"""What every comparing benchmark shares: a local cluster whose object store fits the payload,
+a check that nothing spilled, and medians with their spread.
+
+A baseline runs at its best or the comparison says nothing: Ray's test clusters give each node
+150 MiB of object store unless told otherwise, and a 256 MiB payload then spills to disk. The
+cluster here sizes each node's store for the payload, and `SpillCheck` reads Ray's own spill
+counters before and after the timed runs: a run that spilled fails instead of printing figures.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+
+MiB = 1 << 20
+MIN_STORE_BYTES = 512 * MiB
+
+
+@dataclass
+class Spread:
+    """Median and range of repeated timings, in seconds."""
+
+    values: list
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values)
+
+    @property
+    def low(self) -> float:
+        return min(self.values)
+
+    @property
+    def high(self) -> float:
+        return max(self.values)
+
+    def text(self, unit: float = 1.0, digits: int = 3) -> str:
+        """'median [low-high]' in `unit`s."""
+        f = f"{{:.{digits}f}}"
+        return (f"{f.format(self.median / unit)} [{f.format(self.low / unit)}-"
+                f"{f.format(self.high / unit)}]")
+
+    def as_dict(self) -> dict:
+        return {"median": self.median, "low": self.low, "high": self.high,
+                "values": list(self.values)}
+
+
+def store_bytes_for(payload_bytes: int) -> int:
+    """Object store per node for a payload: every byte primary on the sending node and once
+    fetched on the receiving one, twice over (one refit's objects may live on while the next
+    is created), and never under 512 MiB."""
+    return max(MIN_STORE_BYTES, 4 * payload_bytes + 256 * MiB)
+
+
+@contextlib.contextmanager
+def sized_cluster(nodes: int, store_bytes: int):
+    """A private local cluster of `nodes` simulated nodes (resource "node<i>" marks node i),
+    each with `store_bytes` of object store; connected, and stopped on exit.
+
+    With RAY_RESHARD_CLUSTER_ADDRESS set (tests running many scripts), the script joins that
+    cluster instead; `check_store` then tells whether its stores are large enough.
+    """
+    import ray
+
+    address = os.environ.get("RAY_RESHARD_CLUSTER_ADDRESS")
+    if address:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        try:
+            yield address
+        finally:
+            ray.shutdown()
+        return
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "resources": {"node0": 100}, "object_store_memory": store_bytes})
+    try:
+        for i in range(1, nodes):
+            cluster.add_node(num_cpus=1, resources={f"node{i}": 100},
+                             object_store_memory=store_bytes)
+        ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+        try:
+            yield cluster.address
+        finally:
+            ray.shutdown()
+    finally:
+        cluster.shutdown()
+
+
+def store_capacity() -> dict:
+    """Object store bytes of each node of the connected cluster, by its "node<i>" resource."""
+    import ray
+
+    out = {}
+    for n in ray.nodes():
+        if not n.get("Alive"):
+            continue
+        res = n.get("Resources", {})
+        for key in res:
+            if key.startswith("node") and key[4:].isdigit():
+                out[key] = int(res.get("object_store_memory", 0))
+    return out
+
+
+def check_store(need_bytes: int) -> dict:
+    """Fail unless every node's object store holds `need_bytes`; returns the capacities."""
+    cap = store_capacity()
+    small = {k: v for k, v in cap.items() if v < need_bytes}
+    if small:
+        raise RuntimeError(
+            f"object store too small for a fair baseline: need {need_bytes / MiB:.0f} MiB per "
+            f"node, have " + ", ".join(f"{k} {v / MiB:.0f} MiB" for k, v in sorted(small.items()))
+            + " (start the cluster with a larger object_store_memory)")
+    return cap
+
+
+def spilled_bytes(address: str) -> tuple[int, int]:
+    """(spilled, restored) bytes over the whole cluster since it started, from the raylets'
+    object store statistics (what `ray memory --stats-only` prints)."""
+    from ray._private import internal_api    # Ray's own reader of the raylets' store stats
+
+    reply = internal_api.get_memory_info_reply(internal_api.get_state_from_address(address))
+    return int(reply.store_stats.spilled_bytes_total), int(reply.store_stats.restored_bytes_total)
+
+
+class SpillCheck:
+    """Reads the cluster's spill counters at creation; `check()` fails if they grew since."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self.start = spilled_bytes(address)
+
+    def check(self, what: str) -> dict:
+        now = spilled_bytes(self.address)
+        spilled, restored = now[0] - self.start[0], now[1] - self.start[1]
+        if spilled or restored:
+            raise RuntimeError(
+                f"{what}: the object store spilled {spilled / MiB:.1f} MiB and restored "
+                f"{restored / MiB:.1f} MiB during the timed runs, so the object-store figures "
+                f"would measure the disk; rerun with a larger --store-mb")
+        return {"spilled_bytes": spilled, "restored_bytes": restored}
+
+
+def machine_facts() -> dict:
+    """What a reader needs to place the figures: CPU, cores, memory, versions, date."""
+    import ray
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem = 0
+    try:
+        with open("/proc/meminfo") as f:
+            mem = int(f.readline().split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return {"date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu,
+            "cores": os.cpu_count(), "memory_gib": round(mem / (1 << 30), 1),
+            "python": platform.python_version(), "ray": ray.__version__,
+            "torch": torch.__version__, "load_avg_1m": round(os.getloadavg()[0], 2)}
