@@ -575,3 +575,12 @@ def raw_ops(proc: int, sends, recvs, nbytes: int, chunk: int) -> list:
             for off in range(0, nbytes, chunk)]
     ops.sort(key=lambda o: (o[1], (o[0] == "s") != (proc < o[1])))
     return ops
+
+
+def hold_state(group_id: str, pid: int, ep_pid: dict, bucket_bytes: int,
+               device: str = "cpu") -> None:
+    """Hold a group's per-process state without joining a collective group: enough for
+    `install` to run on its own in this process (benchmarks timing a first refit's install)."""
+    eps = frozenset(ep for ep, p in ep_pid.items() if p == pid)
+    _GROUPS[group_id] = _WorkerGroup(group_id, "", pid, eps, dict(ep_pid), torch.device(device),
+                                     None, bucket_bytes)
