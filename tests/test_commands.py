@@ -254,7 +254,8 @@ def test_bench_object_store_small(address):
     out = run("-m", "ray_reshard", "bench-object-store", "--mb", "4", "--counts", "32,64",
               "--repeats", "1", RAY_RESHARD_CLUSTER_ADDRESS=address).stdout
     assert out.count("nothing spilled") == 2
-    for peer in ("reshard", "object store", "gather-broadcast", "raw point-to-point"):
+    for peer in ("reshard", "object store", "gather-broadcast",
+                 "raw point-to-point, one message per pair"):
         rows = re.findall(r"\n\s*" + peer + r"\s+" + NUM + r" \[" + NUM + "-" + NUM + r"\]", out)
         assert len(rows) == 2 and all(float(x) > 0 for row in rows for x in row)
     assert len(re.findall(r"reshard >= 2x the object store, \d+ tensors\s+" + NUM, out)) == 2
