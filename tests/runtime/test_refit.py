@@ -155,25 +155,47 @@ def test_bad_local_tensor_refused_before_any_byte_moves(actors):
         with pytest.raises(ValueError, match=r"'b' on dst rank 1: local shard has shape \(3, 4\), expected \(2, 4\)"):
             group.refit(specs)
     got = ray.get([a.get.remote() for a in dst])
+    # a refit that ran would have written the sources' ones into dst rank 0
     assert all(float(t.abs().sum()) == 0 for g in got for t in g.values())
 
 
+def _staging(res):
+    """(peak staging bytes of each sending process, of each receiving process)."""
+    senders = sorted(st["peak_staging_bytes"] for st in res.per_process if st["sent_bytes"])
+    receivers = sorted(st["peak_staging_bytes"] for st in res.per_process if st["recv_bytes"])
+    return senders, receivers
+
+
 def test_strided_local_tensors_move_in_place_or_staged(actors):
-    # Items of 128 KiB qualify for in-place messages; the destination keeps its shard in
-    # columns of a wider storage (not contiguous) and a source holds a transposed view.
+    # Items of 128 KiB qualify for in-place messages: contiguous shards travel as their own
+    # bytes (no staging at either end); a destination keeping its shard in columns of a wider
+    # storage, or a source holding a transposed view, goes through staging instead.
     src, dst = actors[:2], actors[4:6]
     shape = (256, 512)
     src_l, dst_l = L([0, 1], Shard(0)), L([0, 1], Shard(0))
     full = torch.randn(shape)
+    plain = rr.TensorSpec(shape, torch.float32, src_l, dst_l)
+    ray.get([src[r].set.remote({"w": rr.shard_tensor(full, src_l, r)}) for r in range(2)])
+    ray.get([d.set.remote({"w": torch.zeros(128, 512)}) for d in dst])
+    with rr.ReshardGroup(src, dst) as group:
+        res = group.refit({"w": plain})
+    assert _staging(res) == ([0, 0], [0, 0])           # every item in place
+    got = ray.get([d.get.remote() for d in dst])
+    for r in range(2):
+        assert torch.equal(got[r]["w"], rr.shard_tensor(full, dst_l, r))
+
     spec = rr.TensorSpec(shape, torch.float32, src_l, dst_l,
                          dst_slots={r: rr.Slot("wide", dim=1, offset=3) for r in range(2)})
-    ray.get(src[0].set.remote({"w": rr.shard_tensor(full, src_l, 0)}))
     ray.get(src[1].__ray_call__.remote(
         lambda self, t: self.tensors.update(w=t.t().contiguous().t()),
         rr.shard_tensor(full, src_l, 1)))
     ray.get([d.set.remote({"wide": torch.zeros(128, 520)}) for d in dst])
     with rr.ReshardGroup(src, dst) as group:
-        group.refit({"w": spec})
+        res = group.refit({"w": spec})
+    senders, receivers = _staging(res)
+    # source 0 still sends in place, source 1 (transposed) and both strided destinations stage
+    assert senders[0] == 0 and senders[1] > 0, senders
+    assert all(b > 0 for b in receivers), receivers
     got = ray.get([d.get.remote() for d in dst])
     for r in range(2):
         want = rr.shard_tensor(full, dst_l, r)
@@ -267,10 +289,15 @@ def test_checks_rerun_when_a_parameter_is_rebound(actors):
         group.refit(specs)                                     # a Parameter rebound again
         check(dst, specs, fulls)
         before = ray.get(dst[0].get.remote())["w"].clone()
+        # new source values: a refit that ran would change dst rank 0's shard
+        fill(src, specs, {"w": fulls["w"] + 1}, "src")
         ray.get(dst[1].__ray_call__.remote(rebind((8, 2))))   # wrong shape: refused
         with pytest.raises(ValueError, match=r"'w' on dst rank 1: local shard has shape"):
             group.refit(specs)
         assert torch.equal(ray.get(dst[0].get.remote())["w"], before)
+        ray.get(dst[1].__ray_call__.remote(rebind((8, 3))))   # right again: the new values land
+        group.refit(specs)
+        check(dst, specs, {"w": fulls["w"] + 1})
 
 
 @pytest.mark.parametrize("window", [1, 3])
