@@ -1,6 +1,9 @@
-"""A group outliving its Ray instance: close() and garbage collection raise nothing, and
-nothing reconnects the driver to a new Ray instance behind the user's back."""
+"""A group outliving its Ray instance: close() raises nothing, garbage collection frees a
+dropped group without reporting an error, and nothing reconnects the driver to a new Ray
+instance behind the user's back."""
 import gc
+import sys
+import weakref
 
 import pytest
 import ray
@@ -24,8 +27,18 @@ def test_close_and_gc_after_ray_shutdown(cluster):
     ray.shutdown()
     closed.close()
     closed.close()
-    del dropped
-    gc.collect()
+    assert not ray.is_initialized()
+    gone = weakref.ref(dropped)
+    unraisable = []
+    hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+    try:
+        del dropped
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert gone() is None, "the dropped group is still referenced"
+    assert not unraisable, [u.exc_value for u in unraisable]
+    assert not ray.is_initialized()         # its finaliser did not reconnect the driver
     with pytest.raises(RuntimeError, match=r"Ray instance this ReshardGroup was built on is gone"):
         used.refit(specs)
     with pytest.raises(RuntimeError, match=r"Ray instance this ReshardGroup was built on is gone"):
