@@ -38,6 +38,7 @@ Helpers: `local_state` (a rank's storages from a full HF state dict, either side
 `padding_mask`, `storage_shapes`, `tied_aliases`, `hf_parameter_shapes`.
 """
 from .config import FAMILIES, ModelDims, model_dims
+from .fsdp import FSDP, fsdp_local_tensors
 from .megatron import Megatron
 from .vllm import VLLM
 from .pieces import Piece, enumerate_pieces, resolve_hf_experts
@@ -46,8 +47,8 @@ from .recipe import (Recipe, assemble_state_dict, empty_storage, hf_parameter_sh
                      tied_aliases)
 
 __all__ = [
-    "FAMILIES", "Megatron", "ModelDims", "Piece", "Recipe", "VLLM", "assemble_state_dict",
-    "empty_storage", "enumerate_pieces", "hf_parameter_shapes", "local_state", "logical_to_hf",
-    "model_dims", "padding_mask", "refit_specs", "resolve_hf_experts", "storage_shapes",
-    "tied_aliases",
+    "FAMILIES", "FSDP", "Megatron", "ModelDims", "Piece", "Recipe", "VLLM",
+    "assemble_state_dict", "empty_storage", "enumerate_pieces", "fsdp_local_tensors",
+    "hf_parameter_shapes", "local_state", "logical_to_hf", "model_dims", "padding_mask",
+    "refit_specs", "resolve_hf_experts", "storage_shapes", "tied_aliases",
 ]

@@ -176,11 +176,11 @@ class EngineSide:
 
 
 def make_side(dims: ModelDims, parallel) -> EngineSide:
-    """The engine side of a parallel configuration (Megatron(...), VLLM(...))."""
+    """The engine side of a parallel configuration (Megatron(...), VLLM(...), FSDP(...))."""
     if isinstance(parallel, EngineSide):
         return parallel
     side = getattr(parallel, "side", None)
     if not callable(side):
-        raise TypeError(f"parallel must be Megatron(...) or VLLM(...), got "
+        raise TypeError(f"parallel must be Megatron(...), VLLM(...) or FSDP(...), got "
                         f"{type(parallel).__name__}")
     return side(dims)
