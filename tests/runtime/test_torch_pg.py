@@ -127,11 +127,74 @@ def test_module_wait_on_a_plain_work_with_no_time_left():
         torch_pg.wait(Never(), time.monotonic() - 1, "x")
 
 
-def test_nccl_groups_keep_the_process_on_errors():
-    # torch reads these when a ProcessGroupNCCL is built; ours sets them for its own groups only
-    # (2 = abort the communicators and keep the process; torch's default 3 kills it)
-    assert torch_pg.NCCL_GROUP_ENV["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
-    assert torch_pg.NCCL_GROUP_ENV["TORCH_NCCL_ENABLE_MONITORING"] == "0"
+@ray.remote(num_cpus=0)
+class NCCLEnvProbe:
+    """Builds a one-rank TorchNCCLGroup on CPU with torch's ProcessGroupNCCL replaced by a
+    recorder, to see the environment torch's constructor reads (this process only)."""
+
+    def build(self, name, user_env):
+        import os
+
+        seen = {}
+
+        class Recorder:
+            class Options:
+                pass
+
+            def __init__(self, store, rank, size, opts):
+                seen.update({k: os.environ.get(k) for k in user_env})
+
+            def eager_connect_single_device(self, device):
+                pass
+
+        os.environ.update(user_env)
+        torch.distributed.ProcessGroupNCCL = Recorder
+        torch.cuda.current_device = lambda: 0
+        g = torch_pg.TorchNCCLGroup(1, 0, name, rendezvous_timeout_s=30)
+        after = {k: os.environ.get(k) for k in user_env}
+        g.destroy_group()
+        return seen, after
+
+
+def test_nccl_groups_are_built_to_keep_the_process_on_errors(cluster):
+    """torch reads TORCH_NCCL_ASYNC_ERROR_HANDLING when a ProcessGroupNCCL is built: 3 (its
+    default) kills the process on an NCCL error or timeout, 2 aborts the communicators and
+    keeps it. Our group's constructor sees 2 and no heartbeat monitor; the process's own
+    setting (the trainer's or engine's) is back as it was afterwards."""
+    user = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_ENABLE_MONITORING": "1"}
+    probe = NCCLEnvProbe.remote()
+    seen, after = ray.get(probe.build.remote(f"ncclenv-{time.monotonic_ns()}", user), timeout=90)
+    assert seen == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_ENABLE_MONITORING": "0"}
+    assert after == user
+    ray.kill(probe)
+
+
+SURVIVOR = """
+import sys, time, torch, ray
+from ray_reshard.runtime.transport import torch_pg
+torch_pg.NCCL_GROUP_ENV["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = sys.argv[1]
+ray.init(address="local", num_cpus=1, num_gpus=1, include_dashboard=False)
+g = torch_pg.TorchNCCLGroup(1, 0, "survivor", timeout_s=3, rendezvous_timeout_s=60)
+work = g.irecv(torch.zeros(4, device=g.device), 0)      # nobody sends: NCCL times out
+time.sleep(15)                                          # torch's watchdog acts meanwhile
+print("alive", flush=True)
+"""
+
+
+@pytest.mark.gpu
+def test_process_survives_an_nccl_timeout(tmp_path):
+    """A receive nobody answers times out inside NCCL: with our setting (2) the process lives
+    on; with torch's default (3) the watchdog kills it, so the check can tell them apart."""
+    import subprocess
+    import sys
+    script = tmp_path / "survivor.py"
+    script.write_text(SURVIVOR)
+    ours = subprocess.run([sys.executable, str(script), "2"], capture_output=True, text=True,
+                          timeout=240)
+    assert ours.returncode == 0 and "alive" in ours.stdout, ours.stderr[-2000:]
+    torch_default = subprocess.run([sys.executable, str(script), "3"], capture_output=True,
+                                   text=True, timeout=240)
+    assert torch_default.returncode != 0 and "alive" not in torch_default.stdout
 
 
 def test_losing_the_store_host_wakes_the_others(cluster):
