@@ -218,7 +218,14 @@ def check_spec(spec) -> None:
 
 
 def validate(spec, name: str) -> None:
-    """Raise a ValueError naming `name` and the rank when the destination keeps blocks apart."""
+    """Raise a ValueError naming `name` and the rank when the destination keeps blocks apart
+    or puts a shard where its scales would not start at a whole block."""
+    validate_blocks(spec, name)
+    validate_slots(spec, name)
+
+
+def validate_blocks(spec, name: str) -> None:
+    """`validate`'s checks of the layouts (they depend on shape, layouts and block only)."""
     q = spec.quant
     block = q.full_block(len(spec.shape))
     bad = misaligned(spec.dst, spec.shape, block)
@@ -231,7 +238,18 @@ def validate(spec, name: str) -> None:
     if on_grid(spec) and block_layout(spec.dst, spec.shape, block) is None:
         raise ValueError(f"{name!r}: the destination layout {spec.dst} cannot be expressed in "
                          f"{q!r} blocks")
-    for r, slot in spec.dst_slots or ():
+
+
+def validate_slots(spec, name: str) -> None:
+    """`validate`'s check of where each destination rank keeps its shard: at an offset of
+    whole blocks (its scales start at a whole block; a shard starting inside a block would
+    share that block's scale with whatever else lies in it)."""
+    slots = spec.dst_slots
+    if not slots:
+        return
+    block = spec.quant.full_block(len(spec.shape))
+    one = slots.uniform
+    for r, slot in ((slots.ranks[0], one),) if one is not None else slots:
         if slot.dim is not None and slot.offset % block[slot.dim]:
             raise ValueError(
                 f"{name!r}: destination rank {r} keeps it at offset {slot.offset} of dim "

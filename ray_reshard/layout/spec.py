@@ -350,17 +350,24 @@ class TensorSpec:
 
         `checked` (optional, owned by the caller) remembers by identity the (shape, layouts,
         slot rank tables) found valid, so specs sharing them are checked once; it is valid
-        only while the specs it saw are alive.
+        only while the specs it saw are alive. Where each slot sits (its offset, which block
+        FP8 scales depend on) is not part of that key: it is checked for every spec, so a set
+        of specs is refused whenever one of its members alone would be, with the same error.
         """
         if checked is not None:
             ss, ds = self.src_slots, self.dst_slots
             key = (self.shape, id(self.src), id(self.dst), None if ss is None else id(ss.ranks),
                    None if ds is None else id(ds.ranks), self.quant, self.dtype)
-            if key in checked:
-                return
-            self.validate(name)
-            checked.add(key)
-            return
+            if key not in checked:
+                self._validate_layouts(name)
+                checked.add(key)
+        else:
+            self._validate_layouts(name)
+        if self.quant is not None:
+            _quant().validate_slots(self, name)
+
+    def _validate_layouts(self, name: str) -> None:
+        """Every check of `validate` but where the slots sit."""
         for side in ("src", "dst"):
             lay = self.layout(side)
             lay.validate_for(self.shape, f"{name!r} ({side} layout)")

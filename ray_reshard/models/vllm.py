@@ -193,6 +193,71 @@ class VLLM:
         return s + (" MTP draft" if self.model == "mtp" else "")
 
 
+FP8_BLOCK_RULE = ("vLLM's validate_fp8_block_shape: with tp > 1 every partition of a block-FP8 "
+                  "weight must be a multiple of the block; at tp 1 only the last part of a "
+                  "merged weight may be ragged")
+
+
+def fp8_linears(d: ModelDims, par: VLLM) -> list:
+    """vLLM's block-FP8 linear layers of one decoder layer as (name, tp size, input size,
+    input size per partition, output size, output partition sizes)."""
+    tp, H = par.tp, d.hidden
+    out = []
+
+    def column(name, t, k, parts):        # (Merged/QKV) column-parallel over t ranks
+        out.append((name, t, k, k, sum(parts) * t, list(parts)))
+
+    def row(name, t, k, n):               # row-parallel over t ranks
+        out.append((name, t, k, k // t, n, [n]))
+
+    if d.mla:
+        nh = d.heads // tp
+        if d.q_lora_rank is not None:
+            column("fused_qkv_a_proj", 1, H, [d.q_lora_rank, d.kv_lora_rank + d.qk_rope_dim])
+            column("q_b_proj", tp, d.q_lora_rank, [nh * (d.qk_nope_dim + d.qk_rope_dim)])
+        else:
+            column("q_proj", tp, H, [nh * (d.qk_nope_dim + d.qk_rope_dim)])
+        column("kv_b_proj", tp, d.kv_lora_rank, [nh * (d.qk_nope_dim + d.v_head_dim)])
+        row("o_proj", tp, d.heads * d.v_head_dim, H)
+    else:
+        hd = d.head_dim
+        kv = max(1, d.kv_heads // tp) * hd
+        column("qkv_proj", tp, H, [d.heads // tp * hd, kv, kv])
+        row("o_proj", tp, d.heads * hd, H)
+    if d.intermediate and any(not d.is_moe(l) for l in range(d.layers)):
+        column("mlp.gate_up_proj", tp, H, [d.intermediate // tp] * 2)
+        row("mlp.down_proj", tp, d.intermediate, H)
+    if d.moe_layers and d.shared_intermediate:
+        t = 1 if par.sequence_parallel_moe else tp
+        column("mlp.shared_experts.gate_up_proj", t, H, [d.shared_intermediate // t] * 2)
+        row("mlp.shared_experts.down_proj", t, d.shared_intermediate, H)
+    return out
+
+
+def check_fp8_blocks(d: ModelDims, par: VLLM, block: Sequence[int],
+                     expert_inter: Optional[int]) -> None:
+    """Refuse what vLLM refuses when it builds block-FP8 layers (the same rule as its
+    validate_fp8_block_shape), and routed experts whose per-partition intermediate size is not
+    a multiple of the block (vLLM pads or refines their scale grid; a refit does not)."""
+    bn, bk = block
+    for name, t, k, k_part, n, parts in fp8_linears(d, par):
+        where = f"vLLM FP8 {name} ({par}, weight_block_size {bn}x{bk})"
+        if t > 1 and k // k_part == t and k_part % bk:
+            raise ValueError(f"{where}: input size per partition {k_part} is not a multiple of "
+                             f"block_k={bk}; {FP8_BLOCK_RULE}")
+        tp_split = t > 1 and n // sum(parts) == t
+        if tp_split or len(parts) > 1:
+            for i, size in enumerate(parts if tp_split else parts[:-1]):
+                if size % bn:
+                    raise ValueError(f"{where}: output partition {i} of {parts} has {size} rows, "
+                                     f"not a multiple of block_n={bn}; {FP8_BLOCK_RULE}")
+    if d.moe_layers and expert_inter is not None and (expert_inter % bn or expert_inter % bk):
+        raise ValueError(
+            f"vLLM FP8 routed experts ({par}, weight_block_size {bn}x{bk}): intermediate size "
+            f"per partition {expert_inter} is not a multiple of the block; vLLM pads or refines "
+            f"the scale grid of such experts, which a refit does not reproduce, so it is refused")
+
+
 class VLLMSide(EngineSide):
     name = "vllm"
 
@@ -243,6 +308,8 @@ class VLLMSide(EngineSide):
                                         "vLLM: moe_intermediate_size / (engine_dp * tp)")
             if d.shared_intermediate and not par.sequence_parallel_moe:
                 div(d.shared_intermediate, tp, "vLLM: shared experts' intermediate / tp")
+        if self.fp8 is not None:
+            check_fp8_blocks(d, par, self.fp8.block, getattr(self, "expert_inter", None))
 
     @property
     def n_ranks(self) -> int:

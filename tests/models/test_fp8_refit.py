@@ -41,7 +41,8 @@ def test_recipe_quantises_what_vllm_fp8_quantises():
         else:
             assert spec.dtype == torch.bfloat16, name
     cfg, _ = make_model("deepseek_v3")
-    _, quantised, plain = _kinds(cfg, Megatron(tp=2), VLLM(tp=2, quantization="fp8"))
+    _, quantised, plain = _kinds(cfg, Megatron(tp=2), VLLM(tp=2, quantization="fp8",
+                                                           weight_block_size=(8, 8)))
     assert quantised == {"q_a", "kv_a", "q_b", "kv_b", "o", "gate", "up", "down", "sh_gate",
                          "sh_up", "sh_down", "e_gate", "e_up", "e_down"}
     assert {"router", "router_bias", "embed", "lm_head", "q_a_norm", "kv_a_norm"} <= plain
