@@ -1,68 +1,50 @@
 """A ``ray_reshard`` backend for vLLM's pluggable weight transfer
-(``vllm.distributed.weight_transfer``, vLLM >= 0.33).
+(``vllm.distributed.weight_transfer``; vLLM 0.32 and 0.33).
 
-Worker side: `RayReshardWeightTransferEngine` (a ``WeightTransferEngine``), selected with
-``WeightTransferConfig(backend="ray_reshard")`` once `register()` ran in the vLLM processes.
-Trainer side: `RayReshardTrainerEngine` (a ``TrainerWeightTransferEngine``), built on every
-trainer rank by ``WeightTransferTrainerFactory.trainer_init(RayReshardTrainerInitInfo(...),
-client=...)``.
+Worker side: `RayReshardWeightTransferEngine`, selected with
+``WeightTransferConfig(backend="ray_reshard")``; installing ray-reshard registers it in every vLLM
+process (a ``vllm.general_plugins`` entry point runs `register`). Trainer side:
+`RayReshardTrainerEngine`, built on every trainer rank by
+``WeightTransferTrainerFactory.trainer_init(RayReshardTrainerInitInfo(...), client=...)`` (0.33)
+or ``RayReshardTrainerEngine.trainer_init(...)`` (0.32, whose trainer factory predates it).
 
-Protocol (one round, driven by trainer rank 0, the sender):
+One round, driven by trainer rank 0 (the sender):
 
-1. ``trainer_init``: every rank registers its local tensors (Megatron storages:
-   ``tensors()`` or ``source.iter_local()``) in its process under ``key``. The sender calls
-   ``client.init_weight_transfer_engine({"key": key})`` (each vLLM worker registers its engine
-   under ``key``), asks every worker which of its parameters can be written in place
-   (`RayReshardWeightTransferEngine.describe`), builds the specs
-   (`ray_reshard.models.refit_specs`) and opens one `ReshardGroup` (trainer actors ->
-   vLLM worker actors). Everything is checked before any byte moves: a storage the recipe
-   expects but the worker lacks, or with another shape or dtype, is an error naming the rank.
-2. ``send_weights``: the sender calls ``client.start_weight_update()``, ``group.refit(specs)``
-   (bytes go straight into the live parameters), ``client.update_weights({"version": v})``,
-   ``client.finish_weight_update()``, then releases the other ranks, which wait in
-   ``send_weights`` meanwhile (their actors must take calls while waiting, as Ray Train's
-   workers do: the training function runs in its own thread).
+1. ``trainer_init``: every rank registers its local tensors under ``key``. The sender calls
+   ``client.init_weight_transfer_engine({"key": key})``, then, through each engine's
+   ``collective_rpc``, asks every worker what it holds and how its forward pass reads each
+   parameter (`RayReshardWeightTransferEngine.describe`), plans the specs (`plan_specs`),
+   allocates the fallback staging tensors, and opens one `ReshardGroup` from the trainer actors
+   to the workers. A worker that is not a Ray actor (vLLM's multiprocessing executor, the only
+   one on CPU) is reached through a `WorkerView` mapping its memory
+   (`ray_reshard.integrations.engine_views`). Everything is checked before any byte moves.
+2. ``send_weights``: ``client.start_weight_update()``, ``group.refit(specs)`` (bytes go straight
+   into the live parameters and staging tensors), ``client.update_weights({"version": v})``
+   (fallback pieces loaded), ``client.finish_weight_update()``; then the other ranks, waiting in
+   ``send_weights`` meanwhile, are released.
 
-Quantization. A worker serving a block-FP8 checkpoint (vLLM's ``Fp8Config`` with
-``weight_block_size``) takes FP8 weights quantised by the senders plus their
-``weight_scale_inv`` through the fallback below, as the checkpoint holds them; the trainer side
-must then describe it with ``VLLM(..., quantization="fp8", weight_block_size=...)``, and any
-mismatch is refused before a byte moves. A model vLLM quantizes on load from an unquantized
-checkpoint takes the unquantized weights through the fallback, and vLLM's layerwise reload
-quantizes them again. Other quantized checkpoints are refused.
-
-In place vs fallback. A parameter is written in place when the model is not quantized and the
-module keeps the parameter in checkpoint layout after loading: modules without a quant method
-(norms, nn.Linear), ``UnquantizedLinearMethod``, ``UnquantizedEmbeddingMethod``, and
-``UnquantizedFusedMoEMethod`` on the Triton backends. Everything else falls back to
-``model.load_weights``: quantized models, MoE backends that rearrange expert weights after
-loading (FlashInfer CUTLASS swaps w1/w3, FlashInfer TRT-LLM permutes blocks, AITER shuffles, XPU
-transposes, CPU prepacks, MoonEP), MLA's kv_b_proj when the AMX path released it. A fallback
-piece is delivered whole (its HF tensor, replicated to every rank holding it) into a staging
-tensor on the worker, and loaded inside vLLM's layerwise reload
-(``initialize_layerwise_reload`` at start, ``finalize_layerwise_reload`` at finish), as vLLM's
-own M2N backend does.
-
-Derived tensors. After an in-place refit ``finish_weight_update`` calls
-``process_weights_after_loading(model_config.dtype)`` on every deferred attention layer
-(``is_deferred_attention_layer``): MLA recomputes ``W_UK_T`` / ``W_UV`` from ``kv_b_proj``,
-copying into the existing tensors (``replace_parameter`` keeps their addresses, so captured CUDA
-graphs stay valid). This is the second loop of vLLM's ``process_weights_after_loading``; the
-first loop (quant methods) is not re-run on in-place parameters, because it is not idempotent
-where it transforms (the fallback covers those), and is a no-op copy where it does not.
-
-Destinations allocated under ``torch.inference_mode()`` are written through plain aliases of
-their storage (same memory, outside inference mode).
+In place or fallback, decided per parameter from what the worker reports (`route`): a parameter
+is written in place only when the forward pass reads that very tensor. It goes through the
+fallback (whole HF tensors into staging tensors, then vLLM's ``load_weights`` inside its layerwise
+reload) when the model is quantized; when the platform released it after loading (shape
+``(0,)``: vLLM's CPU build repacks linear weights for oneDNN); when the module's CPU GEMM ignores
+the weight it is given (a packed copy; an LM head keeps its shape but its logits read the copy);
+when the module's quant method transforms weights after loading (MoE backends that rearrange
+experts, CPU prepacks); and, for all parameters of a module, when any parameter of that module
+falls back (a reload rebuilds the whole module). `RayReshardTrainerEngine.report` lists every
+decision. Protocol details: docs/engines.md.
 """
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping, Optional
 
 import ray
 import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from vllm.distributed.weight_transfer.base import (TrainerInitInfo, TrainerWeightTransferEngine,
                                                    WeightTransferEngine, WeightTransferInitInfo,
@@ -71,33 +53,19 @@ from vllm.distributed.weight_transfer.base import (TrainerInitInfo, TrainerWeigh
 import ray_reshard as rr
 
 from ..models import Recipe, hf_parameter_shapes, storage_shapes
+from .engine_views import (WorkerView, current_actor_id, entry, export_tensors, forget,
+                           local_tensors, lookup)
 
 BACKEND = "ray_reshard"
 FULL = "full:"            # storage name prefix of fallback staging tensors (whole HF tensors)
 IN_PLACE_MOE_BACKENDS = ("TRITON", "BATCHED_TRITON")
+# vLLM 0.33's TrainerWeightTransferEngine takes the trainer's rank; 0.32's does not
+_TRAINER_BASE_TAKES_RANK = "rank" in inspect.signature(
+    TrainerWeightTransferEngine.__init__).parameters
 
-# key -> {"engine": worker engine, "tensors": trainer tensors callable, "rounds": {n: Event}}
-_REGISTRY: dict[str, dict] = {}
-_LOCK = threading.Lock()
-
-
-def _entry(key: str) -> dict:
-    with _LOCK:
-        return _REGISTRY.setdefault(key, {"rounds": {}, "errors": {}})
-
-
-def local_tensors(key: str, actor=None) -> dict:
-    """The tensors this process holds for transfer `key` (trainer storages and/or the vLLM
-    engine's parameters); the `tensors` callable of the ReshardGroup."""
-    ent = _REGISTRY.get(key)
-    if ent is None:
-        raise RuntimeError(f"no ray_reshard weight transfer {key!r} in this process")
-    out: dict = {}
-    if "tensors" in ent:
-        out.update(ent["tensors"]())
-    if "engine" in ent:
-        out.update(ent["engine"].tensors())
-    return out
+__all__ = ["BACKEND", "FULL", "RayReshardInitInfo", "RayReshardTrainerEngine",
+           "RayReshardTrainerInitInfo", "RayReshardUpdateInfo", "RayReshardWeightTransferEngine",
+           "format_report", "local_tensors", "plan_specs", "register", "route", "writable"]
 
 
 def writable(t: torch.Tensor) -> torch.Tensor:
@@ -109,11 +77,9 @@ def writable(t: torch.Tensor) -> torch.Tensor:
         t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
 
 
-def in_place_reason(module: torch.nn.Module, quantized: bool) -> Optional[str]:
-    """None when `module`'s parameters stay in checkpoint layout after loading (written in
-    place); otherwise why they go through load_weights."""
-    if quantized:
-        return "quantized model (kernels keep processed weights)"
+def quant_method_reason(module: torch.nn.Module) -> Optional[str]:
+    """None when `module`'s quant method keeps its parameters in checkpoint layout after
+    loading; otherwise why not."""
     qm = getattr(module, "quant_method", None)
     if qm is None:
         return None
@@ -128,20 +94,52 @@ def in_place_reason(module: torch.nn.Module, quantized: bool) -> Optional[str]:
     return f"{name} processes weights after loading"
 
 
-def rederive(model: torch.nn.Module, dtype: torch.dtype) -> list[str]:
-    """Re-run what vLLM derives from weights after loading for deferred attention layers
-    (MLA: W_UK_T / W_UV from kv_b_proj). Returns the modules it ran on."""
-    try:
-        from vllm.model_executor.layers.attention import is_deferred_attention_layer
-    except ImportError:     # vLLM's attention layers need its full install (GPU build)
-        def is_deferred_attention_layer(m):
-            return hasattr(m, "kv_b_proj") and callable(getattr(m, "process_weights_after_loading", None))
-    done = []
-    for name, module in model.named_modules():
-        if module is not model and is_deferred_attention_layer(module):
-            module.process_weights_after_loading(dtype)
-            done.append(name)
-    return done
+def gemm_reads_weight(module: torch.nn.Module) -> Optional[bool]:
+    """Whether the module's CPU GEMM (vLLM's ``cpu_linear``) computes with the weight it is
+    handed: probed with two 1-row weights (a packed kernel ignores them and answers for its
+    own copy). None when the module has no CPU GEMM."""
+    gemm = getattr(module, "cpu_linear", None)
+    w = getattr(module, "weight", None)
+    if gemm is None or not isinstance(w, torch.Tensor) or w.dim() != 2:
+        return None
+    x = torch.ones(1, w.shape[1], dtype=w.dtype, device=w.device)
+    with torch.no_grad():
+        a = gemm(x, torch.zeros(1, w.shape[1], dtype=w.dtype, device=w.device), None)
+        b = gemm(x, torch.ones(1, w.shape[1], dtype=w.dtype, device=w.device), None)
+    return not (a.shape == b.shape and torch.equal(a, b))
+
+
+def route(module: torch.nn.Module, param: torch.Tensor, *, quantized: bool,
+          lm_head: bool) -> Optional[str]:
+    """None when a write into `param` is what `module`'s forward pass reads (in place);
+    otherwise why the parameter must go through vLLM's load_weights (fallback)."""
+    if quantized:
+        return "quantized model: its kernels keep processed weights"
+    if param.numel() == 0:
+        return (f"released after loading (shape {tuple(param.shape)}): the platform keeps a "
+                f"repacked copy")
+    embedding = type(getattr(module, "quant_method", None)).__name__ == \
+        "UnquantizedEmbeddingMethod"
+    if lm_head or not embedding:        # an embedding's lookup reads the parameter itself
+        try:
+            reads = gemm_reads_weight(module)
+        except Exception as e:      # noqa: BLE001  (any failure: do not trust the parameter)
+            return f"could not tell what its GEMM reads ({type(e).__name__}: {e})"
+        if reads is False:
+            return "its GEMM reads a packed copy (CPU prepack), not this parameter"
+    return quant_method_reason(module)
+
+
+def format_report(rows: list[dict]) -> str:
+    """A table of `RayReshardTrainerEngine.report()` rows, one line per parameter and rank."""
+    lines = [f"{'rank':>4}  {'route':9}  {'shape':18} {'dtype':10} parameter / why"]
+    for r in rows:
+        why = f"  ({r['why']})" if r["why"] else ""
+        lines.append(f"{r['rank']:>4}  {r['route']:9}  {str(tuple(r['shape'])):18} "
+                     f"{r['dtype']:10} {r['name']}{why}")
+    n_in = sum(r["route"] == "in place" for r in rows)
+    lines.append(f"{n_in} in place, {len(rows) - n_in} through load_weights")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------- worker side
@@ -156,9 +154,10 @@ class RayReshardUpdateInfo(WeightTransferUpdateInfo):
 
 
 class RayReshardWeightTransferEngine(WeightTransferEngine[RayReshardInitInfo, RayReshardUpdateInfo]):
-    """Worker side: exposes the live parameters to the trainer's ReshardGroup, loads fallback
-    pieces, re-derives MLA tensors. The bytes themselves arrive outside ``update_weights``
-    (the group writes them between start_weight_update and update_weights)."""
+    """Worker side: describes how the forward pass reads each parameter, exposes the in-place
+    parameters and the fallback staging tensors to the trainer's ReshardGroup, loads fallback
+    pieces, re-derives MLA tensors. The bytes arrive outside ``update_weights`` (the group writes
+    them between start_weight_update and update_weights)."""
 
     init_info_cls = RayReshardInitInfo
     update_info_cls = RayReshardUpdateInfo
@@ -170,6 +169,7 @@ class RayReshardWeightTransferEngine(WeightTransferEngine[RayReshardInitInfo, Ra
         super().__init__(config, vllm_config, device, model)
         self.key: Optional[str] = None
         self.staging: dict[str, torch.Tensor] = {}      # HF name -> whole tensor (fallback)
+        self.exposed: dict[str, torch.Tensor] = {}      # parameter name -> tensor (in place)
         self.version = 0
         self.rederived: list[str] = []
         self._layerwise = False
@@ -179,7 +179,7 @@ class RayReshardWeightTransferEngine(WeightTransferEngine[RayReshardInitInfo, Ra
 
     def init_transfer_engine(self, init_info: RayReshardInitInfo) -> None:
         self.key = init_info.key
-        _entry(self.key)["engine"] = self
+        entry(self.key)["engine"] = self
 
     def quantization(self) -> dict:
         """The served model's quantization: method (None: unquantized), block FP8's
@@ -190,16 +190,35 @@ class RayReshardWeightTransferEngine(WeightTransferEngine[RayReshardInitInfo, Ra
                 "block": None if block is None else tuple(int(b) for b in block),
                 "serialized": getattr(qc, "is_checkpoint_fp8_serialized", None)}
 
+    def parallel(self) -> dict:
+        pc = self.parallel_config
+        return {"tp": int(getattr(pc, "tensor_parallel_size", 1)),
+                "pp": int(getattr(pc, "pipeline_parallel_size", 1)),
+                "dp": int(getattr(pc, "data_parallel_size", 1))}
+
     def describe(self) -> dict:
-        """Every parameter: name -> (shape, dtype name, None or why it is not written in place)."""
+        """Every parameter: name -> {shape, dtype, why}; `why` is None when the parameter is
+        written in place, else why it goes through load_weights (see `route`). Also remembers
+        the in-place parameters (`exposed`): during a layerwise reload the module attributes
+        point elsewhere, the tensors remembered here keep the memory the forward pass reads."""
         quantized = self._quantized()
-        out = {}
+        lm_head = getattr(self.model, "lm_head", None)
+        out, exposed = {}, {}
         for mod_name, module in self.model.named_modules():
-            reason = in_place_reason(module, quantized)
-            for pname, p in module.named_parameters(recurse=False):
+            params = list(module.named_parameters(recurse=False))
+            is_head = module is lm_head or type(module).__name__ == "ParallelLMHead"
+            whys = {p: route(module, t, quantized=quantized, lm_head=is_head) for p, t in params}
+            first = next((f"{p}: {w}" for p, w in whys.items() if w), None)
+            for pname, p in params:
                 name = f"{mod_name}.{pname}" if mod_name else pname
-                r = reason if p.numel() else "empty parameter (released after loading)"
-                out[name] = (tuple(p.shape), str(p.dtype).replace("torch.", ""), r)
+                why = whys[pname]
+                if why is None and first is not None:
+                    why = f"its module is reloaded as a whole ({first})"
+                out[name] = {"shape": tuple(p.shape), "dtype": str(p.dtype).replace("torch.", ""),
+                             "why": why}
+                if why is None:
+                    exposed[name] = writable(p.data)
+        self.exposed = exposed
         return out
 
     def configure(self, staging: Mapping[str, tuple]) -> None:
@@ -208,8 +227,7 @@ class RayReshardWeightTransferEngine(WeightTransferEngine[RayReshardInitInfo, Ra
                         for n, (s, dt) in staging.items()}
 
     def tensors(self) -> dict:
-        params = dict(self.model.named_parameters())
-        out = {n: writable(p.data) for n, p in params.items()}
+        out = dict(self.exposed)
         out.update({FULL + n: t for n, t in self.staging.items()})
         return out
 
@@ -229,7 +247,7 @@ class RayReshardWeightTransferEngine(WeightTransferEngine[RayReshardInitInfo, Ra
 
     def update_weights(self, update_info: dict) -> None:
         self.receive_weights(self.parse_update_info(update_info))
-        if torch.accelerator.is_available():
+        if self.device.type != "cpu" and torch.accelerator.is_available():
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: RayReshardUpdateInfo) -> None:
@@ -244,68 +262,127 @@ class RayReshardWeightTransferEngine(WeightTransferEngine[RayReshardInitInfo, Ra
         self.rederived = rederive(self.model, getattr(self.model_config, "dtype", torch.bfloat16))
 
     def shutdown(self) -> None:
-        self.staging = {}
-        ent = _REGISTRY.get(self.key or "")
-        if ent is not None and ent.get("engine") is self:
-            del ent["engine"]
+        self.staging, self.exposed = {}, {}
+        if self.key is not None:
+            ent = entry(self.key)
+            if ent.get("engine") is self:
+                del ent["engine"]
 
 
-def _describe(actor, key: str) -> dict:
-    return _REGISTRY[key]["engine"].describe()
+def rederive(model: torch.nn.Module, dtype: torch.dtype) -> list[str]:
+    """Re-run what vLLM derives from weights after loading for deferred attention layers
+    (MLA: W_UK_T / W_UV from kv_b_proj). Returns the modules it ran on."""
+    try:
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    except ImportError:     # vLLM's attention layers need its full install (GPU build)
+        def is_deferred_attention_layer(m):
+            return hasattr(m, "kv_b_proj") and callable(getattr(m, "process_weights_after_loading", None))
+    done = []
+    for name, module in model.named_modules():
+        if module is not model and is_deferred_attention_layer(module):
+            module.process_weights_after_loading(dtype)
+            done.append(name)
+    return done
 
 
-def _quantization(actor, key: str) -> dict:
-    return _REGISTRY[key]["engine"].quantization()
+# Functions run by the engine (an `LLM` actor, through __ray_call__) and by its workers (through
+# the engine's collective_rpc: called with the worker, results in worker rank order).
+def _engine_where(llm) -> tuple:
+    return ray.get_runtime_context().get_node_id(), current_actor_id()
 
 
-def _configure(actor, key: str, staging: dict) -> None:
-    _REGISTRY[key]["engine"].configure(staging)
+def _engine_rpc(llm, fn, *args) -> list:
+    return list(llm.collective_rpc(fn, args=args))
+
+
+def _worker_engine(worker, key: str) -> RayReshardWeightTransferEngine:
+    eng = getattr(worker, "weight_transfer_engine", None)
+    if not isinstance(eng, RayReshardWeightTransferEngine) or eng.key != key:
+        raise RuntimeError(f"vLLM worker {getattr(worker, 'rank', '?')} has no ray_reshard "
+                           f"weight transfer {key!r} (weight_transfer_config backend "
+                           f"{BACKEND!r} and init_weight_transfer_engine first)")
+    return eng
+
+
+def _worker_describe(worker, key: str, engine_actor_id) -> dict:
+    """A worker's description, and how a ReshardGroup reaches it: its own actor handle when it
+    is a Ray actor other than the engine's, else its in-place tensors exported for a view."""
+    eng = _worker_engine(worker, key)
+    described = eng.describe()
+    me = current_actor_id()
+    handle = None
+    if me is not None and me != engine_actor_id:
+        handle = ray.get_runtime_context().current_actor
+    return {"describe": described, "quantization": eng.quantization(),
+            "parallel": eng.parallel(), "handle": handle,
+            "exported": None if handle is not None else export_tensors(eng.exposed)}
+
+
+def _worker_configure(worker, key: str, staging_by_rank: list, engine_actor_id) -> Optional[dict]:
+    """Allocate a worker's staging tensors; exported for its view unless it is a Ray actor."""
+    eng = _worker_engine(worker, key)
+    eng.configure(staging_by_rank[int(getattr(worker, "rank", 0))])
+    me = current_actor_id()
+    if me is not None and me != engine_actor_id:
+        return None
+    return export_tensors({FULL + n: t for n, t in eng.staging.items()})
 
 
 def _release(actor, key: str, round_no: int, error: Optional[str]) -> None:
-    ent = _entry(key)
-    with _LOCK:
-        ev = ent["rounds"].setdefault(round_no, threading.Event())
-        ent["errors"][round_no] = error
+    ent = entry(key)
+    ev = ent["rounds"].setdefault(round_no, threading.Event())
+    ent["errors"][round_no] = error
     ev.set()
 
 
 # --------------------------------------------------------------------------------- specs
 def plan_specs(config: Any, train, infer, described: list[dict], dtype=torch.bfloat16,
                train_dtype: Optional[torch.dtype] = None,
-               quantization: Optional[list[dict]] = None) -> tuple[dict, list[dict]]:
+               quantization: Optional[list[dict]] = None,
+               parallel: Optional[list[dict]] = None) -> tuple[dict, list[dict]]:
     """Specs of a refit into live vLLM workers, and each worker's staging tensors.
 
-    `described[r]` is worker r's `describe()`, `quantization[r]` its `quantization()`. Pieces
-    whose storage a worker cannot write in place go whole (HF tensor, replicated to every rank
-    holding the piece) to ``full:<hf name>`` staging tensors; block-FP8 pieces go as the
-    checkpoint holds them, FP8 weights quantised by the senders plus ``<hf name>_scale_inv``.
-    Raises, naming rank and storage, when a worker lacks a storage the recipe expects or holds
-    it with another shape or dtype, or serves another quantization than `infer` describes."""
+    `described[r]` is worker r's `describe()` (name -> {shape, dtype, why}), `quantization[r]`
+    its `quantization()`, `parallel[r]` its engine's parallel sizes. Pieces whose storage a
+    worker does not write in place go whole (HF tensor, replicated to every rank holding the
+    piece) to ``full:<hf name>`` staging tensors; block-FP8 pieces go as the checkpoint holds
+    them, FP8 weights quantised by the senders plus ``<hf name>_scale_inv``. Raises, naming the
+    rank and the parameter, when the engine runs another layout than `infer`, or a worker lacks
+    a parameter the recipe expects, or holds an in-place one with another shape or dtype, or
+    serves another quantization than `infer` describes."""
     if len(described) != infer.world:
-        raise ValueError(f"{infer} has {infer.world} ranks but {len(described)} workers answered")
+        raise ValueError(f"{infer} has {infer.world} ranks but the engines have "
+                         f"{len(described)} workers")
+    for r, p in enumerate(parallel or ()):
+        if (p["tp"], p["pp"]) != (infer.tp, infer.pp):
+            raise ValueError(f"vLLM worker {r} runs tensor_parallel_size={p['tp']}, "
+                             f"pipeline_parallel_size={p['pp']}, but {infer} has tp={infer.tp}, "
+                             f"pp={infer.pp}")
     for r, q in enumerate(quantization or ()):
         _check_quantization(r, q, infer)
     recipe = Recipe(config, train, infer, hf_experts="split")
     specs = recipe.specs(dtype, train_dtype)
     dt_name = str(dtype).replace("torch.", "")
     fallback: list[set] = []
+    problems = []
     for r, desc in enumerate(described):
         bad = set()
         for name, shape in storage_shapes(config, infer, r).items():
             got = desc.get(name)
             if got is None:
-                raise ValueError(f"vLLM worker {r}: no parameter {name!r} (expected shape "
-                                 f"{tuple(shape)}); is it {infer}?")
-            if tuple(got[0]) != tuple(shape):
-                raise ValueError(f"vLLM worker {r}: {name!r} has shape {tuple(got[0])}, the "
-                                 f"recipe for {infer} expects {tuple(shape)}")
-            if got[2] is not None:
+                problems.append(f"vLLM worker {r}: no parameter {name!r} (expected shape "
+                                f"{tuple(shape)}); is it {infer}?")
+            elif got["why"] is not None:
                 bad.add(name)
-            elif got[1] != dt_name and "e_score_correction_bias" not in name:
-                raise ValueError(f"vLLM worker {r}: {name!r} is {got[1]}, refit dtype is "
-                                 f"{dt_name}")
+            elif tuple(got["shape"]) != tuple(shape):
+                problems.append(f"vLLM worker {r}: {name!r} has shape {tuple(got['shape'])}, "
+                                f"the recipe for {infer} expects {tuple(shape)}")
+            elif got["dtype"] != dt_name and "e_score_correction_bias" not in name:
+                problems.append(f"vLLM worker {r}: {name!r} is {got['dtype']}, refit dtype is "
+                                f"{dt_name}")
         fallback.append(bad)
+    if problems:
+        raise ValueError("refit refused before moving any byte:\n  " + "\n  ".join(problems))
     staging: list[dict] = [{} for _ in described]
     hf_shapes = hf_parameter_shapes(config, hf_experts="split", mtp=True)
     for pc in recipe.pieces:
@@ -358,35 +435,46 @@ def _check_quantization(rank: int, q: dict, infer) -> None:
 @dataclass
 class RayReshardTrainerInitInfo(TrainerInitInfo):
     """Trainer-side init info. `config`: the HF config; `train` / `infer`: the layouts
-    (Megatron(...), VLLM(...)); `dst_actors`: the vLLM worker actors in `infer`'s rank order
-    (`ray_reshard.integrations.actors.vllm_worker_actors`); `src_actors`: the trainer actors in
-    `train`'s rank order (default: gathered over torch.distributed's default group);
-    `tensors`: this rank's storages (default: ``source.iter_local()``)."""
+    (``Megatron(...)`` / ``FSDP(...)``, ``VLLM(...)``); `engines`: the vLLM engine actors (``LLM``
+    as a Ray actor; several engines in `infer`'s data-parallel order; default: the handles of a
+    ``RayVLLMWeightSyncClient``); `src_actors`: the trainer actors in `train`'s rank order
+    (default: gathered over torch.distributed's default group); `tensors`: this rank's storages
+    (default: the WeightSource's ``iter_local()``, vLLM >= 0.33); `atomic`: stage the whole refit
+    before writing any destination (see ``ReshardGroup.refit``)."""
 
     backend: ClassVar[str] = BACKEND
     config: Any = None
     train: Any = None
     infer: Any = None
-    dst_actors: list = field(default_factory=list)
+    engines: Optional[list] = None
     src_actors: Optional[list] = None
     tensors: Optional[Callable[[], Mapping[str, torch.Tensor]]] = None
     dtype: torch.dtype = torch.bfloat16
     train_dtype: Optional[torch.dtype] = None
     key: str = "default"
     timeout_s: Optional[float] = None
+    atomic: bool = False
     group_options: dict = field(default_factory=dict)
 
 
 class RayReshardTrainerEngine(TrainerWeightTransferEngine[RayReshardTrainerInitInfo]):
+    """Trainer side (see the module docstring). On the sender: `group` (the ReshardGroup),
+    `specs`, `last` (the last RefitResult), `report()` (the per-parameter decisions)."""
+
     init_info_cls = RayReshardTrainerInitInfo
 
     def __init__(self, *, client, source=None, is_sender=True, rank=0, init_info=None):
-        super().__init__(client=client, source=source, is_sender=is_sender, rank=rank)
+        kw = {"rank": rank} if _TRAINER_BASE_TAKES_RANK else {}
+        super().__init__(client=client, source=source, is_sender=is_sender, **kw)
+        self.rank = rank
         self.info = init_info
         self.group = None
         self.specs: dict = {}
         self.round = 0
         self.last = None
+        self.views: list = []
+        self.fallback: dict = {}
+        self._decisions: list[dict] = []
 
     @classmethod
     def trainer_init(cls, init_info: RayReshardTrainerInitInfo, *, client, source=None):
@@ -397,10 +485,11 @@ class RayReshardTrainerEngine(TrainerWeightTransferEngine[RayReshardTrainerInitI
             raise ValueError("RayReshardTrainerInitInfo needs config, train and infer")
         tensors = info.tensors
         if tensors is None:
-            if source is None:
-                raise ValueError("give RayReshardTrainerInitInfo.tensors or a WeightSource")
+            if source is None or not hasattr(source, "iter_local"):
+                raise ValueError("give RayReshardTrainerInitInfo.tensors (this rank's storages) "
+                                 "or, with vLLM >= 0.33, a WeightSource with iter_local()")
             tensors = lambda: dict(source.iter_local())       # noqa: E731
-        _entry(info.key)["tensors"] = tensors
+        entry(info.key)["tensors"] = tensors
         src_actors = info.src_actors if info.src_actors is not None else train_worker_actors()
         engine = cls(client=client, source=source, is_sender=info.is_sender, rank=info.rank,
                      init_info=info)
@@ -410,30 +499,62 @@ class RayReshardTrainerEngine(TrainerWeightTransferEngine[RayReshardTrainerInitI
         if len(engine.src_actors) != info.train.world:
             raise ValueError(f"{info.train} has {info.train.world} ranks, got "
                              f"{len(engine.src_actors)} trainer actors")
-        if len(info.dst_actors) != info.infer.world:
-            raise ValueError(f"{info.infer} has {info.infer.world} ranks, got "
-                             f"{len(info.dst_actors)} vLLM worker actors")
+        engines = info.engines if info.engines is not None else getattr(client, "handles", None)
+        if not engines:
+            raise ValueError("RayReshardTrainerInitInfo.engines: the vLLM engine actors (or a "
+                             "client with .handles, e.g. RayVLLMWeightSyncClient)")
         client.init_weight_transfer_engine({"key": info.key})
-        described = ray.get([a.__ray_call__.remote(_describe, info.key) for a in info.dst_actors])
-        quant = ray.get([a.__ray_call__.remote(_quantization, info.key)
-                         for a in info.dst_actors])
-        engine.specs, staging = plan_specs(info.config, info.train, info.infer, described,
-                                           info.dtype, info.train_dtype, quant)
-        ray.get([a.__ray_call__.remote(_configure, info.key, st)
-                 for a, st in zip(info.dst_actors, staging)])
-        engine.fallback = {r: sorted(st) for r, st in enumerate(staging) if st}
-        engine.group = rr.ReshardGroup(engine.src_actors, info.dst_actors,
-                                    tensors=functools.partial(local_tensors, info.key),
-                                    **info.group_options)
+        engine._connect(list(engines))
         return engine
+
+    def _connect(self, engines: list) -> None:
+        """Describe every worker, plan, allocate staging, reach every worker, open the group."""
+        info, key = self.info, self.info.key
+        where = ray.get([e.__ray_call__.remote(_engine_where) for e in engines])
+        reports = ray.get([e.__ray_call__.remote(_engine_rpc, _worker_describe, key, aid)
+                           for e, (_, aid) in zip(engines, where)])
+        flat = [rep for reps in reports for rep in reps]
+        self.specs, staging = plan_specs(
+            info.config, info.train, info.infer, [r["describe"] for r in flat], info.dtype,
+            info.train_dtype, [r["quantization"] for r in flat], [r["parallel"] for r in flat])
+        per_engine, off = [], 0
+        for reps in reports:
+            per_engine.append(staging[off:off + len(reps)])
+            off += len(reps)
+        staged = ray.get([e.__ray_call__.remote(_engine_rpc, _worker_configure, key, st, aid)
+                          for e, st, (_, aid) in zip(engines, per_engine, where)])
+        handles, rank = [], 0
+        for (node, _), reps, exports in zip(where, reports, staged):
+            for rep, exp in zip(reps, exports):
+                if rep["handle"] is not None:
+                    handles.append(rep["handle"])
+                else:
+                    view = WorkerView.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+                        node, soft=False)).remote(key, rank, {**rep["exported"], **(exp or {})})
+                    self.views.append(view)
+                    handles.append(view)
+                rank += 1
+        ray.get([v.where.remote() for v in self.views])
+        self.fallback = {r: sorted(st) for r, st in enumerate(staging) if st}
+        self._decisions = [
+            {"rank": r, "name": name, "shape": d["shape"], "dtype": d["dtype"],
+             "route": "in place" if d["why"] is None else "fallback", "why": d["why"]}
+            for r, rep in enumerate(flat) for name, d in sorted(rep["describe"].items())]
+        self.group = rr.ReshardGroup(self.src_actors, handles,
+                                     tensors=functools.partial(local_tensors, key),
+                                     **info.group_options)
+
+    def report(self) -> list[dict]:
+        """Per worker rank and parameter: shape, dtype, route ("in place" or "fallback": through
+        vLLM's load_weights) and why (see `route`); `format_report` prints it."""
+        return list(self._decisions)
 
     def send_weights(self) -> None:
         self.round += 1
         key = self.info.key
         if not self.is_sender:
-            ent = _entry(key)
-            with _LOCK:
-                ev = ent["rounds"].setdefault(self.round, threading.Event())
+            ent = entry(key)
+            ev = ent["rounds"].setdefault(self.round, threading.Event())
             if not ev.wait(self.info.timeout_s or 3600.0):
                 raise TimeoutError(f"trainer rank {self.rank}: the sender did not finish round "
                                    f"{self.round}")
@@ -443,13 +564,22 @@ class RayReshardTrainerEngine(TrainerWeightTransferEngine[RayReshardTrainerInitI
                 raise RuntimeError(f"trainer rank {self.rank}: refit failed on the sender: {err}")
             return
         error = None
+        started = False
         try:
             self.client.start_weight_update()
-            self.last = self.group.refit(self.specs, timeout_s=self.info.timeout_s)
+            started = True
+            self.last = self.group.refit(self.specs, timeout_s=self.info.timeout_s,
+                                         atomic=self.info.atomic)
             self.client.update_weights({"version": self.last.version})
+            started = False
             self.client.finish_weight_update()
         except BaseException as e:
             error = f"{type(e).__name__}: {e}"
+            if started:     # close the engine's update session: reloaded modules get their
+                try:        # previous tensors back
+                    self.client.finish_weight_update()
+                except Exception:       # noqa: BLE001  (the first error is the one to report)
+                    pass
             raise
         finally:
             others = [a for i, a in enumerate(self.src_actors) if i != self.rank]
@@ -459,19 +589,25 @@ class RayReshardTrainerEngine(TrainerWeightTransferEngine[RayReshardTrainerInitI
         if self.group is not None:
             self.group.close()
             self.group = None
-        ent = _REGISTRY.get(self.info.key)
-        if ent is not None:
-            ent.pop("tensors", None)
+        for v in self.views:
+            ray.kill(v)
+        self.views = []
+        forget(self.info.key, "tensors")
 
 
 def register() -> None:
-    """Register the backend with vLLM's factories (idempotent); run it in every process that
-    builds a weight-transfer engine (vLLM workers: e.g. from a vLLM plugin, or before
-    creating the engine in-process; trainers: before trainer_init)."""
-    from vllm.distributed.weight_transfer.factory import (WeightTransferEngineFactory,
-                                                          WeightTransferTrainerFactory)
+    """Register the backend with vLLM's factories (idempotent). Installing ray-reshard runs it
+    in every vLLM process (a ``vllm.general_plugins`` entry point); call it yourself in a
+    process that builds an engine without loading vLLM's plugins."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    except ImportError:         # a vLLM without the trainer-side factory
+        WeightTransferTrainerFactory = None
     for factory, cls in ((WeightTransferEngineFactory, "RayReshardWeightTransferEngine"),
                          (WeightTransferTrainerFactory, "RayReshardTrainerEngine")):
+        if factory is None:
+            continue
         try:
             factory.register_engine(BACKEND, __name__, cls)
         except ValueError as e:          # registered before (by us, or a name clash)
