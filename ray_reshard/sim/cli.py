@@ -17,10 +17,14 @@ import sys
 import time
 from typing import Optional
 
-from ..cli_args import MODELS, even_out_stages, infer_arg, model_arg, train_arg
+from ..cli_args import MODELS, describe, even_out_stages, infer_arg, model_arg, say, train_arg
 from ..planning.plan import DEFAULT_BUCKET_BYTES
-from .cluster import GB, PRESETS, preset
-from .engine import RING_RECV, gather_broadcast_seconds, simulate
+from .bound import check_plan, layout_bound
+from .cluster import GB, NOT_MODELLED, PRESETS, constants, preset, uncertain
+from .engine import (RING_RECV, gather_broadcast_seconds, messages_aggregate, messages_exact,
+                     replay, simulate)
+
+EXACT_MAX_MOVES = 200_000       # --mode auto: the exact replay up to this many moves
 
 
 class _Exit(Exception):
@@ -80,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeline", default=None, help="rank whose timeline to show, e.g. dst:0 "
                                                      "(default: the one with the busiest link)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--sensitivity", choices=("on", "off"), default=None,
+                    help="also predict with each uncertain constant halved and doubled "
+                         "(default: on with --json, off otherwise)")
     return ap
 
 
@@ -126,16 +133,33 @@ def run(args, variants: Optional[dict] = None) -> dict:
     infer = args.infer
     if timeline and timeline[1] >= (train.world if timeline[0] == "src" else infer.world):
         raise ValueError(f"--timeline: {args.timeline} is beyond that side's ranks")
+    given = tuple(n for n, v in (
+        ("gpus_per_domain", args.gpus_per_domain), ("nvlink_Bps", args.nvlink_gbps),
+        ("nic_Bps", args.nic_gbit), ("latency_s", args.latency_us), ("item_s", args.item_us),
+        ("tensor_s", args.tensor_us), ("shard_s", args.shard_us), ("step_s", args.step_us))
+        if v is not None)
     t0 = time.perf_counter()
     specs = recipe_specs(config, train, infer, dtype)
     g = cl.gpus_per_domain
     p = make_plan(specs, [("train", r // g) for r in range(train.world)],
                   [("infer", r // g) for r in range(infer.world)])
-    res = simulate(p, cl, bucket, args.mode, timeline, window=args.window,
-                   ring_recv=args.ring_recv)
-    predicted = {name: simulate(p, cl.with_(**changes), bucket, args.mode, window=args.window,
-                                ring_recv=args.ring_recv).predicted_s
-                 for name, changes in (variants or {}).items()}
+    mode = args.mode
+    if mode == "auto":
+        mode = "exact" if p.stats.n_moves <= EXACT_MAX_MOVES else "aggregate"
+    msgs = (messages_exact if mode == "exact" else messages_aggregate)(p, bucket)
+    again = lambda c: replay(p, msgs, c, bucket, None, args.window, args.ring_recv).predicted_s
+    res = replay(p, msgs, cl, bucket, timeline, args.window, args.ring_recv)
+    predicted = {name: again(cl.with_(**changes)) for name, changes in (variants or {}).items()}
+    consts = constants(cl, args.cluster, given)
+    sensitivity = None
+    if (args.sensitivity or ("on" if args.json else "off")) == "on":
+        sensitivity = []
+        for name in uncertain(consts, gpu=args.cluster != "local"):
+            v = getattr(cl, name)
+            low, high = again(cl.with_(**{name: v / 2})), again(cl.with_(**{name: v * 2}))
+            sensitivity.append({"name": name, "half_s": low, "double_s": high})
+    lb = layout_bound(specs.values(), train.world, infer.world, g, cl.nic_Bps)
+    short = check_plan(lb, p.recv_bytes_by_rank)
     gb = gather_broadcast_seconds(p, cl, bucket)
     # direct point-to-point: every rank its own domain, so no de-duplication inside domains
     direct_plan = make_plan(specs, n_src=train.world, n_dst=infer.world)
@@ -147,7 +171,14 @@ def run(args, variants: Optional[dict] = None) -> dict:
                gather_broadcast_bytes=p.stats.gather_broadcast_bytes,
                direct_s=direct.predicted_s, ring_recv=args.ring_recv,
                direct_network_bytes=direct.network_bytes,
-               cluster_description=cl.describe(), wall_s=time.perf_counter() - t0)
+               cluster_description=cl.describe(), constants=consts,
+               not_modelled=list(NOT_MODELLED), layout_bound=lb.as_dict(),
+               plan_within_layout_bound=short is None, plan_check=short or "ok",
+               wall_s=time.perf_counter() - t0)
+    if sensitivity is not None:
+        out["sensitivity"] = sensitivity
+        lows = [x for s in sensitivity for x in (s["half_s"], s["double_s"])] + [res.predicted_s]
+        out["sensitivity_range_s"] = [min(lows), max(lows)]
     if variants:
         out["variants"] = predicted
     return out
@@ -165,6 +196,8 @@ def render(o: dict) -> str:
         + (" (aggregate: per-pair byte counts per round, not the schedule's own buckets)"
            if o["mode"] == "aggregate" else " (the schedule's buckets)"),
         "",
+        "every time below is a prediction of this simulator under the constants listed at the "
+        "end, not a measurement",
         f"reshard            predicted {o['predicted_s']:8.3f} s"
         + {"as_ready": "  (what-if: ring receives taken as they arrive)",
            "in_order": "  (ring steps strictly in key order)"}.get(o["ring_recv"], ""),
@@ -173,6 +206,11 @@ def render(o: dict) -> str:
         f"{o['predicted_s'] / o['bound_s'] if o['bound_s'] else float('nan'):.2f}",
         f"  balanced bound   {o['balanced_bound_s']:8.3f} s  (the lower bound's bytes spread "
         f"evenly over every destination NIC)",
+        f"  layout bound     {o['layout_bound']['bound_s']:8.3f} s  (from the layouts alone, "
+        f"not the plan: each domain's distinct needed bytes over its own NICs); predicted / "
+        f"layout bound = {o['predicted_s'] / o['layout_bound']['bound_s'] if o['layout_bound']['bound_s'] else float('nan'):.2f}; "
+        f"plan's network bytes per destination domain >= the layouts' need: "
+        f"{'yes' if o['plan_within_layout_bound'] else 'NO: ' + o['plan_check']}",
         f"direct p2p         predicted {o['direct_s']:8.3f} s  (no domain de-duplication, "
         f"network {gbs(o['direct_network_bytes'])})",
         f"gather_broadcast   predicted {o['gather_broadcast_s']:8.3f} s  "
@@ -191,6 +229,20 @@ def render(o: dict) -> str:
                      f"NIC out {row['nic_send'] / 1e6:8.1f} MB in {row['nic_recv'] / 1e6:8.1f} MB  "
                      f"NVLink out {row['nvlink_send'] / 1e6:8.1f} MB in {row['nvlink_recv'] / 1e6:8.1f} MB"
                      f"  ({row['limited_by']})")
+    lines.append("constants (value, provenance, source):")
+    for c in o["constants"]:
+        v = c["value"]
+        lines.append(f"  {c['name']:<18} {v:>12.4g}  {c['provenance']:<21} {c['source']}")
+    lines.append("not modelled: " + "; ".join(o["not_modelled"]))
+    if "sensitivity" in o:
+        lo, hi = o["sensitivity_range_s"]
+        lines.append(f"sensitivity: predicted {lo:.3f}-{hi:.3f} s with each of these constants "
+                     f"halved or doubled (one at a time):")
+        for s in o["sensitivity"]:
+            lines.append(f"  {s['name']:<18} x0.5 {s['half_s']:.3f} s   x2 {s['double_s']:.3f} s")
+    else:
+        lines.append("(--sensitivity on: the prediction with each uncertain constant halved and "
+                     "doubled)")
     lines.append(f"(simulated in {o['wall_s']:.1f} s)")
     return "\n".join(lines)
 
@@ -199,6 +251,8 @@ def main(argv=None) -> int:
     ap = build_parser()
     try:
         args = ap.parse_args(argv)
+        say(f"simulating {args.model[0]}: {describe(args.train)} -> {describe(args.infer)} on "
+            f"{args.cluster} (specs, two plans and the replay: seconds to a minute)...")
         out = run(args)
     except (_Exit, ValueError, KeyError, FileNotFoundError, TypeError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e

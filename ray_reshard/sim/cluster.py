@@ -160,3 +160,69 @@ def preset(name: str) -> Cluster:
         return PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown cluster {name!r}: expected one of {', '.join(PRESETS)}") from None
+
+
+# Where each constant of a preset comes from: "datasheet" (the vendor's published figure),
+# "measured here on CPU" (a benchmark of this project on its 2-core development machine) or
+# "assumed" (an estimate no measurement backs). A constant given on the command line is
+# "given". Not modelled at all: NCCL protocol efficiency, kernel launches other than the
+# copy-table launch, CUDA IPC handle opening, HBM and PCIe contention.
+DATASHEET, MEASURED_CPU, ASSUMED, GIVEN = "datasheet", "measured here on CPU", "assumed", "given"
+NOT_MODELLED = ("NCCL protocol efficiency (links run at their datasheet rate)",
+                "kernel launches other than one copy-table launch per bucket end",
+                "CUDA IPC handle opening", "HBM and PCIe contention")
+_GPU_COMMON = {
+    "latency_s": (ASSUMED, "20 us per network group a process posts"),
+    "ring_latency_s": (ASSUMED, "20 us per ring transfer (its publish)"),
+    "item_s": (MEASURED_CPU, "bench-replay: busiest DeepSeek-V3 ranks' items (charged only "
+                             "where regions are copied one by one)"),
+    "tensor_s": (MEASURED_CPU, "sim_calibrate: a refit's check per local tensor"),
+    "shard_s": (MEASURED_CPU, "bench-replay's check table: the view table per shard"),
+    "step_s": (ASSUMED, "4.7 us executor step per bucket end (bench-replay, measured here on "
+                        "CPU) + 20 us copy-table launch (assumed)"),
+    "refit_overhead_s": (ASSUMED, "5 ms for the driver's call of every process"),
+    "copy_Bps": (ASSUMED, "1000 GB/s staging copies of strided regions (HBM)"),
+    "contig_copy_Bps": (ASSUMED, "1000 GB/s staging copies of contiguous regions (HBM)"),
+}
+PROVENANCE = {
+    "dgx-h100": {
+        "gpus_per_domain": (DATASHEET, "DGX H100: 8 GPUs per NVLink domain"),
+        "nvlink_Bps": (DATASHEET, "NVLink 4: 900 GB/s per GPU both directions together"),
+        "nic_Bps": (DATASHEET, "one 400 Gb/s ConnectX-7 per GPU"),
+        **_GPU_COMMON},
+    "gb200-nvl72": {
+        "gpus_per_domain": (DATASHEET, "GB200 NVL72: 72 GPUs in one NVLink domain"),
+        "nvlink_Bps": (DATASHEET, "NVLink 5: 1.8 TB/s per GPU both directions together"),
+        "nic_Bps": (DATASHEET, "one 400 Gb/s ConnectX-7 per GPU"),
+        **_GPU_COMMON},
+    "local": {n: (MEASURED_CPU, "python -m ray_reshard.bench.sim_calibrate")
+              for n in ("gpus_per_domain", "nvlink_Bps", "nic_Bps", "latency_s",
+                        "ring_latency_s", "item_s", "tensor_s", "message_s", "fabric_Bps",
+                        "domain_fabric_Bps", "refit_overhead_s", "copy_Bps", "contig_copy_Bps",
+                        "cpu_cores")},
+}
+
+
+def constants(cluster: Cluster, preset_name: str, given: tuple = ()) -> list:
+    """Every numeric constant the simulator charges, with its value and provenance:
+    [{"name", "value", "provenance", "source"}]. `given`: names set on the command line."""
+    prov = PROVENANCE.get(preset_name, {})
+    out = []
+    for name, (kind, source) in prov.items():
+        value = getattr(cluster, name)
+        if name in given:
+            kind, source = GIVEN, "the command line"
+        out.append({"name": name, "value": value, "provenance": kind, "source": source})
+    for name in given:
+        if name not in prov:
+            out.append({"name": name, "value": getattr(cluster, name), "provenance": GIVEN,
+                        "source": "the command line"})
+    return out
+
+
+def uncertain(consts: list, gpu: bool = True) -> list:
+    """Names of the constants a sensitivity range varies: the assumed ones and, on a GPU
+    cluster (`gpu`), those measured on this CPU too (they stand in for a GPU host's)."""
+    kinds = (ASSUMED, MEASURED_CPU) if gpu else (ASSUMED,)
+    return [c["name"] for c in consts if c["provenance"] in kinds
+            and isinstance(c["value"], float) and c["value"] > 0]
