@@ -310,18 +310,20 @@ def test_bench_first_refit_small():
 
 
 def test_sim_published_row():
-    """One published row: ours (copy tables) <= per-item copies, links <= ours, bound <= links."""
-    out = run("-m", "ray_reshard.bench.sim_published", "--rows", "4").stdout
+    """One published row: layout bound <= plan bound <= links <= ours (copy tables) <=
+    per-item copies, every figure labelled a prediction."""
+    out = run("-m", "ray_reshard.bench.sim_published", "--rows", "7").stdout
     row = figure(r"3\.2-3\.3 s\s+" + r"\s+".join([NUM] * 5), out)
-    ours, per_item, links, bound, ratio = row
-    assert bound <= links <= ours <= per_item and ratio >= 1
+    ours, per_item, links, bound, layout_bound = row
+    assert 0 < layout_bound <= bound <= links <= ours <= per_item
+    assert "PREDICTIONS" in out and "All predictions." in out
 
 
 def test_sim_published_executor_variants():
     """The executor's ring behaviours switched on one row: each `ours / links` pair at or
     above the bound, links never above ours."""
-    out = run("-m", "ray_reshard.bench.sim_published", "--executor", "--rows", "4").stdout
-    row = figure(r"\n\s*4 qwen3-235b\s+" + r"\s+".join([NUM + r" / " + NUM] * 4) + r"\s+" + NUM,
+    out = run("-m", "ray_reshard.bench.sim_published", "--executor", "--rows", "7").stdout
+    row = figure(r"\n\s*7 qwen3-235b\s+" + r"\s+".join([NUM + r" / " + NUM] * 4) + r"\s+" + NUM,
                  out)
     pairs, bound = list(zip(row[0:8:2], row[1:8:2])), row[8]
     assert all(bound <= links <= ours for ours, links in pairs)
