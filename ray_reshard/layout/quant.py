@@ -7,9 +7,14 @@ the destination to hold the tensor as FP8 plus a float32 scale tensor of shape
 name `<storage><scale_suffix>` ("weight" -> "weight_scale_inv", "w13_weight" ->
 "w13_weight_scale_inv", as vLLM's FP8 linear and MoE methods name them), in the same slot with
 the offset counted in blocks (vLLM's `adjust_block_scale_shard`). Each block is quantised as
+vLLM quantises one (`per_block_cast_to_fp8` in vllm/utils/deep_gemm.py, vLLM 0.33), bit for bit:
 
     amax = x.abs().amax().clamp(min=1e-4); scale = amax / 448.0
-    q = (x / scale).to(torch.float8_e4m3fn); scale_inv = scale        (x in float32)
+    q = (x * (1.0 / scale)).to(torch.float8_e4m3fn); scale_inv = scale      (all in float32)
+
+(a multiplication by the float32 reciprocal, not a division: the two round differently in
+about 0.03% of elements). A block cut short by the tensor's edge is quantised as if padded
+with zeros, which leave its amax unchanged.
 
 Block-aligned sources (the common case). When every source rank's and every destination
 rank's shard is a union of whole blocks (a shard may end at the tensor's edge with a short
@@ -275,7 +280,7 @@ def reference_quantize(x: torch.Tensor, block: Sequence[int] = (128, 128)
                 blk = lead[t, i * bn:(i + 1) * bn, j * bk:(j + 1) * bk]
                 amax = blk.abs().amax().clamp(min=AMAX_MIN)
                 scale = amax / FP8_MAX
-                ql[t, i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = (blk / scale).to(FP8)
+                ql[t, i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = (blk * (1.0 / scale)).to(FP8)
                 sl[t, i, j] = scale
     return q, scales
 
@@ -322,7 +327,7 @@ def _quantize2d(x: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, torch.
     amax = torch.maximum(xb.amax(dim=(1, 3), keepdim=True),
                          xb.amin(dim=(1, 3), keepdim=True).neg_())
     scale = amax.clamp_(min=AMAX_MIN).div_(FP8_MAX)
-    q = xb.div_(scale).to(FP8).view(gr * bn, gc * bk)
+    q = xb.mul_(torch.reciprocal(scale)).to(FP8).view(gr * bn, gc * bk)
     if (gr * bn, gc * bk) != (rows, cols):
         q = q[:rows, :cols]
     return q, scale.view(gr, gc)
