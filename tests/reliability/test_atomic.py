@@ -59,6 +59,27 @@ def arm_exit(actor, after_s: float = 1.0):
     ray.get(actor.__ray_call__.remote(patch))
 
 
+def record_received(actor):
+    """The actor's process notes the bytes its next run received (None until a run returns)."""
+    def patch(self):
+        from ray_reshard.runtime import executor
+
+        real = executor.run_program
+        self.rr_received = None
+
+        def recording(*args, **kwargs):
+            executor.run_program = real
+            out = real(*args, **kwargs)
+            self.rr_received = out["recv_bytes"]
+            return out
+        executor.run_program = recording
+    ray.get(actor.__ray_call__.remote(patch))
+
+
+def received(actor):
+    return ray.get(actor.__ray_call__.remote(lambda self: self.rr_received))
+
+
 def mixed_specs():
     """Uneven shards, a dtype conversion, a tensor only one source holds."""
     return {"w": rr.TensorSpec((7, 6), torch.float32, L([0, 1], Shard(0)), L([0, 1], Shard(0))),
@@ -145,9 +166,15 @@ def test_source_dies_part_way(rig, atomic):
     new = fulls_for(specs, 11)
     fill(src, [], specs, new)
     arm_exit(src[0])
+    for d in dst:
+        record_received(d)
     with pytest.raises(rr.RefitError) as info:
         group.refit(specs, atomic=atomic, timeout_s=8)
     assert info.value.failed_ranks == (("src", 0),), info.value
+    # The fault struck mid-transfer: destination 0 had received every new byte it needs (from
+    # source 1) while destination 1 was still waiting on source 0.
+    assert received(dst[0]) == shard_bytes(specs, "dst", 0) == 5 * 4 * 4
+    assert received(dst[1]) is None
     # Nobody reports the new version, whichever mode.
     assert group.version == v
     assert proc_versions(group, [src[1]] + dst) == [v] * 3

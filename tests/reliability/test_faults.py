@@ -41,7 +41,7 @@ def new_actors(n, node):
 class Rig:
     def __init__(self):
         src, dst = new_actors(2, 0), new_actors(2, 1)
-        self.spares = {0: new_actors(2, 0), 1: new_actors(6, 1)}
+        self.spares = {0: new_actors(2, 0), 1: new_actors(7, 1)}
         ray.get([a.node.remote() for a in src + dst + self.spares[0] + self.spares[1]])
         self.step = 0
         self.group = rr.ReshardGroup(src, dst, tensors=lookup, timeout_s=TIMEOUT)
@@ -124,6 +124,41 @@ def arm(actor, kind, skip=0):
     ray.get(actor.__ray_call__.remote(lambda self: setattr(self, "rr_fault", (kind, skip))))
 
 
+def arm_after_run(actor, kind, pause_s=1.5):
+    """Misbehave in the next refit once this process's own transfers are done (every byte it
+    sends or receives has moved): `pause_s` later (its peers finish theirs meanwhile), "exit"
+    ends the process before it reports; "hang" holds the call for 30 s."""
+    def patch(self):
+        from ray_reshard.runtime import executor
+
+        real = executor.run_program
+
+        def run_then_fail(*args, **kwargs):
+            executor.run_program = real
+            out = real(*args, **kwargs)
+            time.sleep(pause_s)
+            if kind == "exit":
+                os._exit(1)
+            time.sleep(30)
+            return out
+        executor.run_program = run_then_fail
+    ray.get(actor.__ray_call__.remote(patch))
+
+
+def holds(actors_, specs, fulls) -> list:
+    """Per actor: whether every tensor it holds equals its shard of `fulls`."""
+    got = ray.get([a.get.remote() for a in actors_])
+    out = []
+    for r, tensors in enumerate(got):
+        ok = True
+        for name, spec in specs.items():
+            if spec.dst.box(r, spec.shape) is not None:
+                want = rr.shard_tensor(fulls[name].to(spec.dtype), spec.dst, r)
+                ok = ok and torch.equal(tensors[name].view(torch.uint8), want.view(torch.uint8))
+        out.append(ok)
+    return out
+
+
 def failing_refit(rig, what, within):
     """The refit fails with RefitError in under `within` seconds; versions do not move."""
     v = rig.group.version
@@ -161,10 +196,15 @@ def test_killed_before_refit(rig, side, rank):
 def test_source_exits_during_run_then_new_layouts(rig):
     old = rig.snapshot_old()
     src, dst = rig.src, rig.dst
-    arm(src[0], "exit")                              # dies in run, at its lookup
+    specs, new = rig.specs(), fulls_for(1000)
+    fill(src, dst, specs, new, dst_seed=1000)
+    arm_after_run(src[0], "exit")                    # dies in run, after its bytes moved
     err = failing_refit(rig, "src0 exits in run", TIMEOUT + MARGIN)
     assert err.failed_ranks == (("src", 0),), err
     assert "refit failed in run on src rank 0: process 0 died" in str(err)
+    # the fault struck after the transfers: the destinations hold the new weights (in place),
+    # yet the refit failed and no process reports the new version
+    assert holds(dst, specs, new) == [True, True]
     # New layouts: the surviving source alone feeds three destinations (one of them new).
     src, dst = src[1:], dst + [rig.spare(1)]
     rig.group.update(src_actors=src, dst_actors=dst)
@@ -195,13 +235,36 @@ def test_destination_killed_from_driver_while_refit_runs(rig):
 
 
 def test_hung_rank_named_within_deadline(rig):
+    """A rank stuck before the processes agree to move bytes: its peers, waiting on it, are
+    named as waiting, not blamed."""
     src, dst = rig.src, rig.dst
     old = rig.snapshot_old()
     arm(dst[1], "hang")                              # alive, stuck in its lookup for 30 s
-    err = failing_refit(rig, "dst1 hung in run", TIMEOUT + GRACE + MARGIN)
+    err = failing_refit(rig, "dst1 hung at lookup", TIMEOUT + GRACE + MARGIN)
     assert err.failed_ranks == (("dst", 1),), err
     assert "process 3 did not finish within" in str(err)
     assert "then, waiting on them:" in str(err)      # its peers timed out on it: named, not blamed
+    hung, dst[1] = dst[1], rig.spare(1)
+    t0 = time.monotonic()
+    rig.group.update(dst_actors=dst)
+    assert time.monotonic() - t0 < 10, "update() waited on the hung process"
+    assert_no_leaks(*old, src + dst[:1])
+    rig.refit_ok()
+    ray.kill(hung, no_restart=True)
+
+
+def test_rank_hung_after_bytes_moved_named_within_deadline(rig):
+    """A rank that hangs in run after its transfers (and the forwards its replica needed from
+    it) completed: the refit still fails within its deadline, naming it alone."""
+    src, dst = rig.src, rig.dst
+    old = rig.snapshot_old()
+    specs, new = rig.specs(), fulls_for(2000)
+    fill(src, dst, specs, new, dst_seed=2000)
+    arm_after_run(dst[1], "hang")
+    err = failing_refit(rig, "dst1 hung in run", TIMEOUT + GRACE + MARGIN)
+    assert err.failed_ranks == (("dst", 1),), err
+    assert "process 3 did not finish within" in str(err)
+    assert holds(dst[:1], specs, new) == [True]      # bytes had moved, through dst1 too
     hung, dst[1] = dst[1], rig.spare(1)
     t0 = time.monotonic()
     rig.group.update(dst_actors=dst)
