@@ -10,20 +10,27 @@ On a local two-node Ray cluster (4 source actors on node A, 4 destination actors
    (many small tensors), per message (the same bytes in 64 KiB items, each its own message, or
    in one), and one core's copy rates out of
    strided and contiguous regions into buffers that exist (as packing into staging does);
-2. refit several other layouts, sizes and tensor counts, and print the measured median next to
-   the simulator's prediction for them with those constants (the plans are the ones the group
-   runs; the simulator replays their schedules).
+2. refit several other layouts, sizes and tensor counts, and print the measured median of
+   `--repeats` refits and their range next to the simulator's prediction for them with those
+   constants (the plans are the ones the group runs; the simulator replays their schedules);
+   a prediction more than 25% off the measured median is marked MISS.
+
+Every figure, constants included, is a median of `--repeats` runs (3 by default) after a
+warm-up, so a neighbour's burst on a shared machine moves the figures less than a best-of or a
+single run would.
 """
 from __future__ import annotations
 
-import argparse
+import json
 import os
+import statistics
 import time
 
 import ray
 import torch
 
 import ray_reshard as rr
+from ray_reshard.cli_args import Parser
 from ray_reshard.sim import Cluster, gather_broadcast_seconds, simulate
 from ray_reshard.testing import holders, local_cluster
 
@@ -53,16 +60,20 @@ def _fill(actors, specs, side: str):
     return full
 
 
-def _time_refits(group, specs, repeats: int) -> float:
-    """Best of `repeats` refits after a warm-up: on a shared machine the fastest run is the one
-    least disturbed by other work, for the constants and the cases alike."""
+def _timed_refits(group, specs, repeats: int) -> list:
+    """Seconds of `repeats` refits after a warm-up."""
     group.refit(specs)                               # installs programs, rings
     runs = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         group.refit(specs)
         runs.append(time.perf_counter() - t0)
-    return min(runs)
+    return runs
+
+
+def _time_refits(group, specs, repeats: int) -> float:
+    """Median of `repeats` refits after a warm-up, for the constants and the cases alike."""
+    return statistics.median(_timed_refits(group, specs, repeats))
 
 
 def copy_rates(repeats: int = 7) -> tuple[float, float]:
@@ -110,10 +121,11 @@ def cases(mb: int):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = Parser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=int, default=64, help="megabytes of weights per case")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bucket-mb", type=int, default=16)
+    ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = ap.parse_args(argv)
     bucket = args.bucket_mb << 20
     tp4 = rr.Layout(_mesh1(range(N)), (rr.Shard(0),))
@@ -127,9 +139,9 @@ def main(argv=None) -> int:
         cores = os.cpu_count() or 1
         probe = 64 << 20
         with rr.ReshardGroup(src[:1], dst[:1]) as g1:
-            one = max(g1.raw_bandwidth(probe) for _ in range(prim)) * 1e9
+            one = statistics.median(g1.raw_bandwidth(probe) for _ in range(prim)) * 1e9
         with rr.ReshardGroup(src, dst, bucket_bytes=bucket) as g:
-            fabric = max(g.raw_bandwidth(probe) for _ in range(prim)) * 1e9
+            fabric = statistics.median(g.raw_bandwidth(probe) for _ in range(prim)) * 1e9
             tiny = _specs(1, N, 4, tp4, tp4)                # one item per rank, one round
             _fill(src, tiny, "src"), _fill(dst, tiny, "dst")
             t_round = _time_refits(g, tiny, prim * 2)
@@ -200,32 +212,57 @@ def main(argv=None) -> int:
               f"{domain_fabric / 1e9:.2f} GB/s")
         print(f"  -> {local.describe()}\n")
 
-        print(f"{'case':<38} {'MB':>6} {'items':>6} {'measured s':>10} {'predicted s':>11} "
-              f"{'pred/meas':>9} {'bound s':>8}   (measured: best of {args.repeats})")
+        print(f"{'case':<40} {'MB':>6} {'items':>6} {'measured s: median [range]':>27} "
+              f"{'predicted s':>11} {'pred/meas':>9} {'bound s':>8}   (median of {args.repeats} "
+              f"refits after a warm-up; a prediction off by more than {MISS:.0%} is a MISS)")
         rows = []
         for name, specs in cases(args.mb):
             with rr.ReshardGroup(src, dst, bucket_bytes=bucket) as g:
                 _fill(src, specs, "src"), _fill(dst, specs, "dst")
                 p = g.plan(specs)
-                meas = _time_refits(g, specs, args.repeats)
+                runs = _timed_refits(g, specs, args.repeats)
             sim = simulate(p, local, bucket, "exact")
             items = sum(len(t.items) for t in p.schedule(bucket).transfers)
-            rows.append((name, meas, sim.predicted_s))
-            print(f"{name:<38} {p.stats.total_bytes / 1e6:>6.1f} {items:>6} {meas:>10.3f} "
-                  f"{sim.predicted_s:>11.3f} {sim.predicted_s / meas:>9.2f} {sim.bound_s:>8.3f}",
-                  flush=True)
+            rows.append(_row(name, "reshard", runs, sim.predicted_s, p.stats.total_bytes, items,
+                             sim.bound_s))
         name, specs = cases(args.mb)[0]
         with rr.ReshardGroup(src, dst, bucket_bytes=bucket, strategy="gather_broadcast") as g:
             _fill(src, specs, "src"), _fill(dst, specs, "dst")
             p = g.plan(specs)
-            meas = _time_refits(g, specs, args.repeats)
-        pred = gather_broadcast_seconds(p, local, bucket)
-        print(f"{'gather_broadcast: ' + name:<38} {p.stats.total_bytes / 1e6:>6.1f} {'':>6} "
-              f"{meas:>10.3f} {pred:>11.3f} {pred / meas:>9.2f}")
-        worst = max(abs(pr / me - 1) for _, me, pr in rows)
-        print(f"\nreshard predictions within {100 * worst:.0f}% of the measured times "
-              f"(goal: 25%)")
+            runs = _timed_refits(g, specs, args.repeats)
+        rows.append(_row("gather_broadcast: " + name, "gather_broadcast", runs,
+                         gather_broadcast_seconds(p, local, bucket), p.stats.total_bytes, 0,
+                         None))
+        ours = [r for r in rows if r["strategy"] == "reshard"]
+        worst = max(abs(r["ratio"] - 1) for r in ours)
+        misses = [r["case"] for r in rows if r["miss"]]
+        print(f"\nreshard predictions: {len(ours) - sum(r['miss'] for r in ours)} of {len(ours)} "
+              f"within {MISS:.0%} of the measured medians, worst off by {100 * worst:.0f}%"
+              + (f"; MISSES: {', '.join(misses)}" if misses else ""))
+        out = {"repeats": args.repeats, "mb": args.mb, "cluster": local.describe(),
+               "rows": rows, "worst": worst, "misses": misses}
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
     return 0
+
+
+MISS = 0.25        # a prediction further than this from the measured median is a miss
+
+
+def _row(case: str, strategy: str, runs: list, predicted: float, nbytes: int, items: int,
+         bound) -> dict:
+    """One case's figures, printed as it is measured."""
+    med = statistics.median(runs)
+    ratio = predicted / med
+    row = {"case": case, "strategy": strategy, "measured_s": runs, "median_s": med,
+           "low_s": min(runs), "high_s": max(runs), "predicted_s": predicted, "ratio": ratio,
+           "miss": abs(ratio - 1) > MISS, "mb": nbytes / 1e6, "items": items, "bound_s": bound}
+    spread = f"{med:.3f} [{min(runs):.3f}-{max(runs):.3f}]"
+    print(f"{case:<40} {nbytes / 1e6:>6.1f} {items or '':>6} {spread:>27} {predicted:>11.3f} "
+          f"{ratio:>9.2f} {'' if bound is None else f'{bound:.3f}':>8}"
+          f"{'   MISS' if row['miss'] else ''}", flush=True)
+    return row
 
 
 if __name__ == "__main__":
