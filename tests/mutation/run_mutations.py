@@ -143,11 +143,11 @@ MUTANTS = [
 ]
 
 
-def export_head(dst: str) -> None:
-    """The repository's last commit, written to `dst` (git archive: the repository itself is
-    only read)."""
+def export_commit(dst: str, rev: str = "HEAD") -> None:
+    """The repository at commit `rev`, written to `dst` (git archive: the repository itself
+    is only read)."""
     os.makedirs(dst)
-    archive = subprocess.run(["git", "-C", REPO, "archive", "--format=tar", "HEAD"],
+    archive = subprocess.run(["git", "-C", REPO, "archive", "--format=tar", rev],
                              check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", dst], input=archive, check=True)
 
@@ -226,6 +226,8 @@ def main(argv=None) -> int:
     ap.add_argument("--list", action="store_true", help="list the mutants and exit")
     ap.add_argument("--python", default=os.path.join(REPO, ".venv", "bin", "python"))
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per mutant")
+    ap.add_argument("--commit", default="HEAD",
+                    help="the commit to mutate (e.g. an older one, to compare test suites)")
     ap.add_argument("--working-tree", action="store_true",
                     help="mutate the files as they are now instead of the last commit")
     args = ap.parse_args(argv)
@@ -236,7 +238,10 @@ def main(argv=None) -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="rr-mutants-") as tmp:
         tree = os.path.join(tmp, "tree")
-        (copy_tree if args.working_tree else export_head)(tree)
+        if args.working_tree:
+            copy_tree(tree)
+        else:
+            export_commit(tree, args.commit)
         check_import_path(tree, args.python)
         rows = []
         for m in chosen:
