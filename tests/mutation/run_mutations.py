@@ -116,7 +116,7 @@ MUTANTS = [
     Mutant("R4", "Megatron: shared experts' gate and up halves swapped in linear_fc1",
            "ray_reshard/models/megatron.py",
            (('            off = 0 if k.endswith("gate") else size // par.tp',
-             '            off = 0 if k.endswith("up") else size // par.tp'),),
+             '            off = 0 if k.endswith("up" if shared else "gate") else size // par.tp'),),
            tuple(RECIPES)),
     Mutant("R5", "Megatron: expert ranks ordered ep-major instead of etp, ep, edp",
            "ray_reshard/models/megatron.py",
