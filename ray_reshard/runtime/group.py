@@ -390,14 +390,14 @@ class ReshardGroup:
             holders = self.members.procs_of("src")
             try:
                 errors = self._collect([self._procs[q].__ray_call__.remote(
-                    worker.capture, self.group_id, key) for q in holders],
+                    worker.capture, self.group_id, key, self._version) for q in holders],
                     max(deadline - time.monotonic(), 0.0), "capture", holders)
             except RefitError:
                 self._discard_all()
                 raise
             if any(errors):
                 self._discard_all()
-                _refuse(errors)
+                self._refuse(errors)
         left = max(deadline - time.monotonic(), 0.001)
         # One call per process: it checks its tensors, votes with the others through the
         # group's store (nobody moves a byte unless everyone's tensors are right), and runs.
@@ -418,7 +418,7 @@ class ReshardGroup:
         version, p = running["version"], running["plan"]
         if any("refused" in st for st in per):
             self._discard_all()
-            _refuse([st.get("refused", []) for st in per])
+            self._refuse(per)
         if running["atomic"]:
             result_warnings = self._commit(version, running["timeout"])
         else:                  # every process finished: each takes the version at its next call
@@ -434,9 +434,24 @@ class ReshardGroup:
                            max(st["extra_bytes"] for st in per), p.stats, running["planned"],
                            per, result_warnings)
 
+    def _refuse(self, per: list) -> None:
+        """Raise for a refit every process refused before moving any byte (`per`: what each
+        reported): a RefitError naming the ranks whose own code raised (the first exception
+        its cause), else a ValueError listing every problem found."""
+        faults = [st for st in per if st and st.get("fault")]
+        if faults:
+            ranks = self._ranks_of([st["pid"] for st in faults])
+            raise RefitError(
+                "refit refused before moving any byte: a fault in the actors' code on "
+                f"{', '.join(f'{s} rank {r}' for s, r in ranks)}: "
+                + "; ".join(st["fault"]["text"] for st in faults)
+                + "; every destination is as it was, and the group stays usable",
+                ranks) from faults[0]["fault"]["error"]
+        _refuse([st.get("refused", []) for st in per if st])
+
     def _discard_all(self) -> None:
         for a in self._procs:
-            a.__ray_call__.remote(worker.discard, self.group_id)
+            a.__ray_call__.remote(worker.discard, self.group_id, self._version)
 
     def _commit(self, version: int, timeout: float) -> list:
         """Every rank has everything: make `version` every process's, one truth for all.

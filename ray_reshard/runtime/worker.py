@@ -171,15 +171,29 @@ def install(actor, group_id: str, key, plan: Plan, transfers: Optional[list],
     return ring
 
 
+class UserCodeFailed(Exception):
+    """The user's tensor lookup (`tensors(actor)` or `actor.reshard_tensors()`) raised: a fault
+    of that process (OOM, a bug, a lost device), not a spec that does not match its tensors.
+    The exception it raised is the `__cause__`."""
+
+    def __init__(self, what: str, error: BaseException):
+        super().__init__(f"{what} raised {type(error).__name__}: {error}")
+        self.what = what
+
+
 def _storage(actor, wg: _WorkerGroup) -> dict:
     """The actor's local tensors, looked up anew (trainers rebind parameter storage)."""
     if wg.tensors_fn is not None:
-        got = wg.tensors_fn(actor)
+        call, what = (lambda: wg.tensors_fn(actor)), "tensors(actor)"
     elif hasattr(actor, "reshard_tensors"):
-        got = actor.reshard_tensors()
+        call, what = actor.reshard_tensors, f"{type(actor).__name__}.reshard_tensors()"
     else:
         raise TypeError(f"{type(actor).__name__} has no reshard_tensors() method and the group "
                         f"was built without tensors=")
+    try:
+        got = call()
+    except Exception as e:
+        raise UserCodeFailed(what, e) from e
     if not isinstance(got, dict):
         raise TypeError(f"tensors of {type(actor).__name__} must be a dict name -> tensor, "
                         f"got {type(got).__name__}")
@@ -266,15 +280,34 @@ def _views(actor, wg: _WorkerGroup, prog: _Program) -> tuple[dict, list[str], li
     return views, errors, aliased, token
 
 
-def _check(actor, wg: _WorkerGroup, prog: _Program) -> tuple[dict, list[str], list, Any]:
-    """`_views`, with a failing lookup (a broken tensors() callable) reported as a problem."""
+def _check(actor, wg: _WorkerGroup, prog: _Program
+           ) -> tuple[dict, list[str], list, Any, Optional[dict]]:
+    """`_views`, plus the fault of a user's lookup that raised (None if none): a lookup that
+    returns something unusable is a problem like any other, one that raises is a fault."""
+    ranks = ", ".join(f"{ep.side} rank {ep.rank}"
+                      for ep in sorted(wg.endpoints, key=lambda ep: (ep.side != "src", ep.rank)))
     try:
-        return _views(actor, wg, prog)
+        return (*_views(actor, wg, prog), None)
+    except UserCodeFailed as e:
+        return {}, [], [], None, _fault(e.__cause__, f"process {wg.pid} ({ranks}): {e}")
     except Exception as e:
-        ranks = ", ".join(f"{ep.side} rank {ep.rank}"
-                          for ep in sorted(wg.endpoints, key=lambda ep: (ep.side != "src", ep.rank)))
         return {}, [f"process {wg.pid} ({ranks}): looking up local tensors failed: "
-                    f"{type(e).__name__}: {e}"], [], None
+                    f"{type(e).__name__}: {e}"], [], None, None
+
+
+def _fault(error: BaseException, text: str) -> dict:
+    """A fault as the driver gets it: its text, and the exception itself when it pickles (else
+    a RuntimeError with its type, text and traceback)."""
+    import traceback
+
+    from ray import cloudpickle
+    try:
+        cloudpickle.loads(cloudpickle.dumps(error))
+        shipped = error
+    except Exception:
+        tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        shipped = RuntimeError(f"{type(error).__name__}: {error}\n{tb}")
+    return {"text": text, "error": shipped}
 
 
 def _aliased_sources(views: dict) -> list:
@@ -322,14 +355,16 @@ def run(actor, group_id: str, key, timeout_s: float, version: int, atomic: bool 
         # the small acyclic ones checking and running allocate.
         with gc_paused():
             prog = wg.programs[key]
-            views, errors, aliased, token = _check(actor, wg, prog)
+            views, errors, aliased, token, fault = _check(actor, wg, prog)
             t_checked = time.perf_counter()
             clock = {"check": t_checked - t0}
             if vote is not None:
-                refused = wg.pg.vote(vote, not errors, deadline)
+                refused = wg.pg.vote(vote, not errors and fault is None, deadline)
                 clock["vote"] = time.perf_counter() - t_checked
                 if refused:
-                    return {"refused": errors, "pid": wg.pid}
+                    return {"refused": errors, "fault": fault, "pid": wg.pid}
+            elif fault is not None:
+                raise fault["error"]
             elif errors:
                 raise ValueError("; ".join(errors))
             extra = aliased_bytes = 0
@@ -383,17 +418,19 @@ def _settle_version(wg: _WorkerGroup, committed: Optional[int]) -> None:
 
 
 @torch.inference_mode()
-def capture(actor, group_id: str, key) -> list[str]:
+def capture(actor, group_id: str, key, committed: Optional[int] = None) -> dict:
     """Copy this process's source shards of program `key` for the run that follows (an
     overlapped refit: the trainer may change its tensors once every process captured).
-    Returns the problems found (nothing is copied then)."""
+    Returns {} or, when nothing was copied, {"refused": problems, "fault": a fault or None}.
+    `committed`: the group's version, as for `run`."""
     wg = _group(group_id)
-    views, errors, _, _ = _check(actor, wg, wg.programs[key])
-    if errors:
-        return errors
+    _settle_version(wg, committed)
+    views, errors, _, _, fault = _check(actor, wg, wg.programs[key])
+    if errors or fault is not None:
+        return {"refused": errors, "fault": fault, "pid": wg.pid}
     copies = {k: v.clone() for k, v in views.items() if k[0] == "src"}
     wg.captured = (key, copies)
-    return []
+    return {}
 
 
 # Atomic commits swap staged and live contents in slices of at most this many bytes, so the
@@ -464,10 +501,13 @@ def rollback(actor, group_id: str) -> int:
     return wg.version
 
 
-def discard(actor, group_id: str) -> None:
-    """Drop staged data of a refit that failed elsewhere (the old weights stay)."""
+def discard(actor, group_id: str, committed: Optional[int] = None) -> None:
+    """Drop staged data of a refit that failed elsewhere (the old weights stay). `committed`:
+    the group's version, as for `run` (a refit refused before its run leaves the previous
+    one's version standing)."""
     wg = _GROUPS.get(group_id)
     if wg is not None:
+        _settle_version(wg, committed)
         wg.staged = None
         wg.undo = None
         wg.captured = None

@@ -327,8 +327,8 @@ def test_tensors_callable_raises(src, dst):
     try:
         with rr.ReshardGroup(src, dst, tensors=lookup, timeout_s=20) as g:
             msg = refused(g, src, dst, good_specs(),
-                          r"dst rank 1.*looking up local tensors failed: RuntimeError: checkpoint "
-                          r"not loaded yet")
+                          r"dst rank 1.*tensors\(actor\) raised RuntimeError: checkpoint "
+                          r"not loaded yet", exc=rr.RefitError)
             assert "dst rank 0" not in msg and "src rank" not in msg, msg
             ray.get(dst[1].__ray_call__.remote(lambda self: setattr(self, "rr_test_fail", False)))
             still_works(g, src, dst)

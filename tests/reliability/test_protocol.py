@@ -309,8 +309,8 @@ def test_lookup_failure_refuses_the_refit_everywhere(pair):
         load(src, [], specs, 1)
         ray.get(dst[1].__ray_call__.remote(lambda self: setattr(self, "faulty", True)))
         t0 = time.monotonic()
-        with pytest.raises(ValueError, match=r"(?s)refused before moving any byte.*"
-                                             r"dst rank 1.*tensor lookup failed"):
+        with pytest.raises(rr.RefitError, match=r"(?s)refused before moving any byte.*"
+                                                r"dst rank 1.*tensor lookup failed"):
             g.refit(specs)
         assert time.monotonic() - t0 < 5
         assert torch.equal(ray.get(dst[0].get.remote())["w"], before["w"])

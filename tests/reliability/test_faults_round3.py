@@ -1,0 +1,140 @@
+"""Faults named as faults, and checks that hold after capture:
+
+* an exception in the actor's own code (its `reshard_tensors()`) is a fault of that rank:
+  `RefitError` with `failed_ranks` and the exception as `__cause__`, destinations untouched;
+  specs that do not match the tensors stay a `ValueError`;
+* storage freed between refits (`untyped_storage().resize_(0)`, as FSDP frees unsharded
+  parameters) is refused before any byte moves;
+* once `refit_async` captured the sources, the live sources are the trainer's business;
+* a new replica joins only from replicas at the group's version;
+* each cached program's memory is reported, and memory stays proportional to what is cached.
+"""
+import sys
+import time
+
+import pytest
+import ray
+import torch
+from ray import cloudpickle
+
+import ray_reshard as rr
+from ray_reshard.layout.placement import Replicate, Shard
+
+from reliability_util import L, raw, same_raw
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+pytestmark = pytest.mark.timeout(240)
+
+
+class DeviceLost(RuntimeError):
+    """What a user's code might raise (a lost device, an OOM, a bug)."""
+
+
+@ray.remote(num_cpus=0, max_concurrency=2)
+class Trainer:
+    """A user actor holding tensors, whose reshard_tensors() raises when told to."""
+
+    def __init__(self):
+        self.tensors = {}
+        self.fail = False
+
+    def set(self, tensors):
+        self.tensors = {k: v.clone() for k, v in tensors.items()}
+
+    def get(self):
+        return self.tensors
+
+    def set_fail(self, fail):
+        self.fail = fail
+
+    def reshard_tensors(self):
+        if self.fail:
+            raise DeviceLost("CUDA error: device lost while reading parameters")
+        return self.tensors
+
+    def node(self):
+        return ray.get_runtime_context().get_node_id()
+
+
+def trainers(n, node):
+    return [Trainer.options(resources={f"node{node}": 1}).remote() for _ in range(n)]
+
+
+SPECS = {"w": rr.TensorSpec((16, 8), torch.float32, L([0, 1], Shard(0)), L([0, 1], Shard(1))),
+         "b": rr.TensorSpec((8,), torch.float32, L([0, 1], Replicate()), L([0, 1], Shard(0)))}
+
+
+def fulls(gen):
+    g = torch.Generator().manual_seed(gen)
+    return {"w": torch.randn(16, 8, generator=g), "b": torch.randn(8, generator=g)}
+
+
+def load(src, dst, gen, specs=SPECS):
+    f = fulls(gen)
+    ray.get([a.set.remote({n: rr.shard_tensor(f[n], s.src, r) for n, s in specs.items()
+                           if s.src.box(r, s.shape) is not None}) for r, a in enumerate(src)])
+    if dst:
+        g = torch.Generator().manual_seed(1000 + gen)
+        ray.get([a.set.remote({n: torch.randn(s.dst.local_shape(r, s.shape), generator=g)
+                               for n, s in specs.items() if s.dst.box(r, s.shape) is not None})
+                 for r, a in enumerate(dst)])
+    return f
+
+
+def exact(dst, specs, f):
+    got = ray.get([a.get.remote() for a in dst])
+    return all(torch.equal(got[r][n], rr.shard_tensor(f[n], s.dst, r))
+               for n, s in specs.items() for r in range(len(dst))
+               if s.dst.box(r, s.shape) is not None)
+
+
+@pytest.fixture(scope="module")
+def pair(cluster):
+    src, dst = trainers(2, 0), trainers(2, 1)
+    ray.get([a.node.remote() for a in src + dst])
+    return src, dst
+
+
+# ------------------------------------------------------------------ a fault in user code
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_exception_in_reshard_tensors_is_a_refit_error_of_that_rank(pair, overlapped):
+    src, dst = pair
+    with rr.ReshardGroup(src, dst, timeout_s=20.0) as g:
+        load(src, dst, 0)
+        g.refit(SPECS)
+        f = load(src, [], 1)
+        before = raw(dst)
+        ray.get(src[1].set_fail.remote(True))
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(rr.RefitError, match=r"src rank 1.*reshard_tensors\(\) raised "
+                                                    r"DeviceLost: CUDA error: device lost") as e:
+                if overlapped:
+                    g.refit_async(SPECS).wait()
+                else:
+                    g.refit(SPECS)
+            assert time.monotonic() - t0 < 10
+            assert e.value.failed_ranks == (("src", 1),)
+            assert isinstance(e.value.__cause__, DeviceLost)
+            assert "device lost" in str(e.value.__cause__)
+            assert all(same_raw(a, b) for a, b in zip(before, raw(dst)))
+            assert g.version == 1 and g.versions() == [1] * 4
+        finally:
+            ray.get(src[1].set_fail.remote(False))
+        # the group stays usable: no update() needed once the actor's code works again
+        assert g.refit(SPECS).version == 2 and exact(dst, SPECS, f)
+
+
+def test_specs_that_do_not_match_the_tensors_stay_a_value_error(pair):
+    src, dst = pair
+    with rr.ReshardGroup(src, dst, timeout_s=20.0) as g:
+        load(src, dst, 0)
+        wrong = {"w": rr.TensorSpec((16, 6), torch.float32, L([0, 1], Shard(0)),
+                                    L([0, 1], Shard(1)))}
+        with pytest.raises(ValueError, match=r"'w' on src rank 0: local shard has shape"):
+            g.refit(wrong)
+        with pytest.raises(ValueError, match=r"'w' on src rank 0: local shard has shape"):
+            g.refit_async(wrong).wait()
+        f = load(src, dst, 3)
+        g.refit(SPECS)
+        assert exact(dst, SPECS, f)
