@@ -172,7 +172,7 @@ def padding_mask(config: Any, parallel, rank: int, hf_experts: str = "auto"
             raise KeyError(f"{pc.name!r} is placed in {slot.storage!r}, which rank {rank} lacks")
         slot.view(cover[slot.storage], box.sizes).add_(1)
     for n, c in cover.items():
-        if int(c.max()) > 1:
+        if c.numel() and int(c.max()) > 1:
             raise ValueError(f"rank {rank}: elements of {n!r} are placed more than once")
     return {n: c == 0 for n, c in cover.items()}
 
