@@ -167,7 +167,8 @@ def test_bench_small(address):
     out = run("-m", "ray_reshard", "bench", "--mb", "8", "--repeats", "1",
               RAY_RESHARD_CLUSTER_ADDRESS=address).stdout
     assert out.count("== ") == 2
-    for pat in (r"reshard: " + NUM + r" s, network " + NUM + " MB -> " + NUM + " GB/s",
+    for pat in (r"reshard: " + NUM + r" s \[" + NUM + "-" + NUM + r"\], network " + NUM
+                + " MB -> " + NUM + " GB/s",
                 r"raw point-to-point, same actors and transport: " + NUM + " GB/s",
                 r"gather-broadcast: " + NUM + " s",
                 r"speed-up reshard vs gather-broadcast: " + NUM + "x"):

@@ -1,0 +1,285 @@
+"""Run the benchmarks and write their figures to one generated page (no figure typed by hand).
+
+    python -m ray_reshard.bench.report [--small] [--out docs/benchmarks.md]
+
+Each section runs one command, exactly as a user would (a fresh process, `--json` where the
+command has it), and the page shows the command line beside the tables made from its output,
+with the date, the commit and the machine. `--small` runs every command in its small mode (CI:
+the page then says so at the top; its figures only show the commands work). `--keep DIR`
+keeps each command's raw output there; `--from DIR` renders the page from such a directory
+without running anything.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+from .harness import machine_facts
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PY = "python -m"
+
+# name -> (title, full arguments, small arguments, writes JSON)
+SECTIONS = {
+    "peers": ("reshard and its peers on the same actors",
+              ["ray_reshard", "bench-peers", "--mb", "256", "--repeats", "5"],
+              ["ray_reshard", "bench-peers", "--mb", "16", "--counts", "32,1024",
+               "--repeats", "2"], True),
+    "first-refit": ("The first refit at scale (CPU seconds)",
+                    ["ray_reshard", "bench-first-refit"],
+                    ["ray_reshard", "bench-first-refit", "--models", "qwen3-235b", "--wide",
+                     "0"], True),
+    "replay": ("The executor at model scale (CPU seconds)",
+               ["ray_reshard", "bench-replay", "--model", "deepseek-v3", "--repeat", "3"],
+               ["ray_reshard", "bench-replay", "--model", "qwen3-235b", "--repeat", "1"],
+               False),
+    "calibrate": ("The simulator against refits measured on this machine",
+                  ["ray_reshard.bench.sim_calibrate", "--mb", "64", "--repeats", "3"],
+                  ["ray_reshard.bench.sim_calibrate", "--mb", "4", "--repeats", "3"], True),
+    "simulate": ("One prediction in full: constants, provenance, sensitivity",
+                 ["ray_reshard", "simulate", "--model", "deepseek-v3", "--train",
+                  "megatron:pp=16,ep=16", "--infer", "vllm:tp=32,dp=8", "--cluster",
+                  "dgx-h100"],
+                 ["ray_reshard", "simulate", "--model", "small-moe", "--train",
+                  "megatron:pp=2,ep=2,dp=2", "--infer", "vllm:tp=2,dp=2,ep=2",
+                  "--gpus-per-domain", "2"], "stdout"),
+    "published": ("Published refit figures beside predictions",
+                  ["ray_reshard.bench.sim_published"],
+                  ["ray_reshard.bench.sim_published", "--rows", "7"], False),
+}
+NOISE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\s+(INFO|WARNING|ERROR)|\(raylet\)|"
+                   r"\[\d{4}-\d\d-\d\d)")
+
+
+def command_line(name: str, small: bool) -> str:
+    _, full, little, _ = SECTIONS[name]
+    return f"{PY} {' '.join(little if small else full)}"
+
+
+def run_section(name: str, small: bool, keep: str) -> dict:
+    """Run one section's command; returns {"stdout", "json", "seconds", "command"}."""
+    _, full, little, wants_json = SECTIONS[name]
+    args = list(little if small else full)
+    path = os.path.join(keep, f"{name}.json")
+    if wants_json is True:
+        args += ["--json", path]
+    elif wants_json == "stdout":
+        args += ["--json"]
+    t0 = time.time()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    p = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True,
+                       text=True)
+    out = {"command": command_line(name, small), "seconds": time.time() - t0,
+           "returncode": p.returncode,
+           "stdout": "\n".join(line for line in p.stdout.splitlines()
+                               if not NOISE.match(line)).strip()}
+    if p.returncode != 0:
+        raise RuntimeError(f"{out['command']} exited {p.returncode}:\n{p.stdout[-2000:]}\n"
+                           f"{p.stderr[-3000:]}")
+    if wants_json is True:
+        with open(path) as f:
+            out["json"] = json.load(f)
+    elif wants_json == "stdout":
+        out["json"] = json.loads(out["stdout"].splitlines()[-1])
+        out["stdout"] = ""
+    with open(os.path.join(keep, f"{name}.out.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    return out
+
+
+# ------------------------------------------------------------------------------ rendering
+def _table(head: list, rows: list) -> list:
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    lines += ["| " + " | ".join(str(x) for x in r) + " |" for r in rows]
+    return lines
+
+
+def _goal_rows(goals: list) -> list:
+    return [(g["goal"], f"{g['measured']:.2f}", "met" if g["met"] else "**not met**")
+            for g in goals]
+
+
+def render_peers(r: dict) -> list:
+    from .peers import PEERS, ratios
+
+    o = r["json"]
+    lines = [f"{o['layout']}, {o['mb']} MiB per case; object store "
+             f"{min(o['store_bytes_per_node'].values()) / 2**20:.0f} MiB per node, Ray's spill "
+             f"counters read before and after every case (nothing spilled, or the run fails); "
+             f"seconds from the driver's call to every destination holding the weights, median "
+             f"[range] of {o['repeats']} after a warm-up, peers taking turns within each repeat. "
+             f"Ray Direct Transport: {o['rdt']}.", ""]
+    head = ["tensors"] + list(PEERS) + ["reshard vs object store",
+                                        "reshard's share of raw point-to-point"]
+    rows = []
+    for count, row in o["counts"].items():
+        cells = [f"{count} x {row['shape'][0]}x{row['shape'][1]}"]
+        for name in PEERS:
+            p = row["peers"].get(name)
+            cells.append("not run" if p is None else
+                         f"{p['median']:.3f} [{p['low']:.3f}-{p['high']:.3f}]")
+        rat = ratios(row)
+        cells += [f"{rat['object store']:.2f}x", f"{rat['raw share']:.2f}"]
+        rows.append(cells)
+    lines += _table(head, rows)
+    lines += ["", "Goals (medians):", ""] + _table(["goal", "measured", ""], _goal_rows(o["goals"]))
+    return lines
+
+
+def render_first_refit(r: dict) -> list:
+    o = r["json"]
+    head = ["model", "ranks", "tensors", "specs", "lookup", "plan", "turns", "put",
+            "driver", "shipped MB", "load", "install dst / src", "busiest process"]
+    rows = []
+    for ranks, x in o["rows"].items():
+        turns = f"{x['turns_s']:.2f}" if x["turns"] else f"- ({x['turns_s']:.2f})"
+        rows.append((x["model"], ranks, x["tensors"], f"{x['specs_s']:.2f}",
+                     f"{x['lookup_s']:.2f}", f"{x['plan_s']:.2f}", turns, f"{x['put_s']:.2f}",
+                     f"**{x['driver_s']:.2f}**", f"{x['shipped_mb']:.1f}", f"{x['load_s']:.2f}",
+                     f"{x['install_dst_s']:.2f} / {x['install_src_s']:.2f}",
+                     f"**{x['busiest_s']:.2f}**"))
+    lines = ["driver = specs + plan-cache lookup + plan + network turns (`-`: the plan keeps "
+             "the rotation schedule) + pickling the plan and copying its bytes once (`put`); "
+             "busiest process = unpickling the plan (`load`) + the runtime's own "
+             "`worker.install` (localize, shard table, compile), each in a fresh process, the "
+             "slower of the busiest destination and the busiest source.", ""]
+    lines += _table(head, rows)
+    if o["goals"]:
+        lines += ["", "Goals:", ""] + _table(["goal", "measured", ""], _goal_rows(o["goals"]))
+    return lines
+
+
+def render_calibrate(r: dict) -> list:
+    o = r["json"]
+    rows = [(x["case"], f"{x['mb']:.1f}", x["items"] or "",
+             f"{x['median_s']:.3f} [{x['low_s']:.3f}-{x['high_s']:.3f}]",
+             f"{x['predicted_s']:.3f}", f"{x['ratio']:.2f}", "**miss**" if x["miss"] else "")
+            for x in o["rows"]]
+    ours = [x for x in o["rows"] if x["strategy"] == "reshard"]
+    lines = [f"Constants measured first with primitive transfers ({o['cluster']}); then each "
+             f"case refit {o['repeats']} times after a warm-up (median [range]) beside the "
+             f"simulator's prediction with those constants. A prediction more than 25% off the "
+             f"median is a miss.", ""]
+    lines += _table(["case", "MB", "items", "measured s", "predicted s", "pred / meas", ""],
+                    rows)
+    lines += ["", f"{len(ours) - sum(x['miss'] for x in ours)} of {len(ours)} reshard "
+                  f"predictions within 25%, worst off by {100 * o['worst']:.0f}%."]
+    return lines
+
+
+def render_simulate(r: dict) -> list:
+    o = r["json"]
+    lb = o["layout_bound"]
+    lines = [f"{o['model']}: {o['train']} -> {o['infer']} on `{o['cluster']}`. Every time here "
+             f"is a **prediction** of the simulator under the constants below.", ""]
+    lines += _table(["figure", "seconds"], [
+        ("reshard, predicted", f"{o['predicted_s']:.3f}"),
+        ("range with each uncertain constant halved or doubled",
+         f"{o['sensitivity_range_s'][0]:.3f}-{o['sensitivity_range_s'][1]:.3f}"),
+        ("bound of the plan (its busiest NIC)", f"{o['bound_s']:.3f}"),
+        ("bound from the layouts alone (each domain's distinct needed bytes over its own NICs)",
+         f"{lb['bound_s']:.3f}"),
+        ("direct point-to-point, predicted", f"{o['direct_s']:.3f}"),
+        ("gather-broadcast, predicted", f"{o['gather_broadcast_s']:.3f}")])
+    lines += ["", f"Plan's network bytes into every destination domain at least what the "
+                  f"layouts need: {'yes' if o['plan_within_layout_bound'] else 'NO'}.", ""]
+    sens = {s["name"]: s for s in o["sensitivity"]}
+    rows = []
+    for c in o["constants"]:
+        s = sens.get(c["name"])
+        rows.append((c["name"], f"{c['value']:.4g}", c["provenance"], c["source"],
+                     "" if s is None else f"{s['half_s']:.3f} / {s['double_s']:.3f}"))
+    lines += _table(["constant", "value", "provenance", "source", "predicted s at x0.5 / x2"],
+                    rows)
+    lines += ["", "Not modelled: " + "; ".join(o["not_modelled"]) + "."]
+    return lines
+
+
+def render_text(r: dict) -> list:
+    return ["```", r["stdout"], "```"]
+
+
+RENDER = {"peers": render_peers, "first-refit": render_first_refit, "replay": render_text,
+          "calibrate": render_calibrate, "simulate": render_simulate,
+          "published": render_text}
+NOTES = {
+    "replay": "`compile s` is a process's own share and program; the network turns, which the "
+              "driver computes once and ships with the plan, are timed apart (`turns s`, on the "
+              "first rank of a layout: the plan keeps them). Before they were timed apart, "
+              "the compile column of a layout whose buckets go in turns included that "
+              "driver-side work.",
+    "published": "Published figures exactly as their sources give them; every figure of ours "
+                 "in that table is a prediction, with the assumptions printed above it.",
+}
+
+
+def render(results: dict, small: bool, facts: dict, commit: str) -> str:
+    lines = ["# Benchmarks", "",
+             "Generated by `python -m ray_reshard.bench.report"
+             + (" --small" if small else "") + "`; do not edit by hand. Every table below "
+             "comes from the command printed above it, run on "
+             f"{facts['date_utc']} at commit `{commit}`.", ""]
+    if small:
+        lines += ["**Small mode** (CI): tiny payloads and few repeats; these figures only show "
+                  "the commands run, they are not the project's figures.", ""]
+    lines += ["Machine: " + ", ".join(f"{k} {v}" for k, v in facts.items() if k != "date_utc")
+              + ". The cores are shared with other work; each section's own spread shows how "
+                "much that moved its figures.", ""]
+    for name, r in results.items():
+        lines += [f"## {SECTIONS[name][0]}", "", f"`{r['command']}` ({r['seconds']:.0f} s)", ""]
+        lines += RENDER[name](r)
+        if name in NOTES:
+            lines += ["", NOTES[name]]
+        lines += [""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ray_reshard.bench.report",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--small", action="store_true", help="every command in its small mode")
+    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks.md"))
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help=f"comma-separated, of {', '.join(SECTIONS)}")
+    ap.add_argument("--keep", help="directory for each command's raw output")
+    ap.add_argument("--from", dest="source", help="render from a --keep directory, run nothing")
+    args = ap.parse_args(argv)
+    names = [n for n in args.sections.split(",") if n]
+    bad = [n for n in names if n not in SECTIONS]
+    if bad:
+        ap.error(f"--sections: unknown {', '.join(bad)} (expected {', '.join(SECTIONS)})")
+    import tempfile
+
+    keep = args.source or args.keep or tempfile.mkdtemp(prefix="ray-reshard-report-")
+    os.makedirs(keep, exist_ok=True)
+    results = {}
+    if args.source:
+        with open(os.path.join(keep, "meta.json")) as f:
+            meta = json.load(f)
+        for n in names:
+            with open(os.path.join(keep, f"{n}.out.json")) as f:
+                results[n] = json.load(f)
+    else:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                capture_output=True, text=True).stdout.strip() or "unknown"
+        meta = {"facts": machine_facts(), "commit": commit, "small": args.small}
+        with open(os.path.join(keep, "meta.json"), "w") as f:
+            json.dump(meta, f)
+        for n in names:
+            print(f"running {command_line(n, args.small)}", flush=True)
+            results[n] = run_section(n, args.small, keep)
+    page = render(results, meta["small"], meta["facts"], meta["commit"])
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write(page + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

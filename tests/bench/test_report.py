@@ -1,0 +1,98 @@
+"""The benchmark harness (spread, store sizing, the spill check) and the generated page."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from ray_reshard.bench import report
+from ray_reshard.bench.harness import MiB, Spread, store_bytes_for
+from ray_reshard.bench.peers import goals, ratios, shape_for
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_spread_and_store_sizing():
+    s = Spread([0.3, 0.1, 0.2, 0.5, 0.4])
+    assert (s.median, s.low, s.high) == (0.3, 0.1, 0.5)
+    assert s.text() == "0.300 [0.100-0.500]"
+    assert store_bytes_for(256 * MiB) >= 2 * 256 * MiB
+    assert store_bytes_for(MiB) == 512 * MiB
+    assert shape_for(256, 4096) == (16, 1024)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        shape_for(8, 1024)
+
+
+def _peers_row(reshard, store, raw, network=100, raw_bytes=100):
+    p = lambda t: {"median": t, "low": t, "high": t, "values": [t]}
+    return {"tensors": 32, "shape": [64, 1024], "network_bytes": network, "raw_bytes": raw_bytes,
+            "peers": {"reshard": p(reshard), "object store": p(store),
+                      "gather-broadcast": p(3 * reshard),
+                      "raw point-to-point, bucket-sized messages": p(raw),
+                      "raw point-to-point, one message per pair": p(2 * raw)}}
+
+
+def test_goals_say_met_or_not_from_the_medians():
+    row = _peers_row(reshard=1.0, store=2.5, raw=0.8)
+    r = ratios(row)
+    assert r["object store"] == 2.5 and r["raw share"] == pytest.approx(0.8)
+    met = {g["goal"]: g["met"] for g in goals({"counts": {"32": row}})}
+    assert met == {"reshard >= 2x the object store, 32 tensors": True,
+                   "reshard >= 0.85 of raw point-to-point, 32 tensors": False}
+    # raw moved half of reshard's network bytes: its time counts double
+    assert ratios(_peers_row(1.0, 2.0, 0.5, network=100, raw_bytes=50))["raw share"] == 1.0
+    page = "\n".join(report.render_peers({"json": {
+        "layout": "L", "mb": 1, "store_bytes_per_node": {"node0": MiB}, "repeats": 1,
+        "rdt": "not run: x", "counts": {"32": row}, "goals": goals({"counts": {"32": row}})}}))
+    assert "**not met**" in page and "| met |" in page and "not run" in page
+
+
+@pytest.mark.slow
+def test_spill_fails_loudly():
+    """An object store too small for what is put spills, and the check says so."""
+    import numpy as np
+    import ray
+
+    from ray_reshard.bench.harness import SpillCheck, sized_cluster
+
+    env = os.environ.pop("RAY_RESHARD_CLUSTER_ADDRESS", None)
+    try:
+        with sized_cluster(1, 80 * MiB) as address:
+            check = SpillCheck(address)
+            assert check.check("nothing yet") == {"spilled_bytes": 0, "restored_bytes": 0}
+            refs = [ray.put(np.ones(30 * MiB, dtype=np.uint8)) for _ in range(5)]
+            with pytest.raises(RuntimeError, match="spilled"):
+                check.check("five 30 MiB objects")
+            del refs
+    finally:
+        if env is not None:
+            os.environ["RAY_RESHARD_CLUSTER_ADDRESS"] = env
+
+
+@pytest.mark.slow
+def test_report_small_writes_the_page(tmp_path):
+    """The page generator in its small mode: every section's command, a table from its output,
+    the date, commit and machine."""
+    out = tmp_path / "benchmarks.md"
+    p = subprocess.run([sys.executable, "-m", "ray_reshard.bench.report", "--small", "--out",
+                        str(out), "--keep", str(tmp_path / "raw")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=1800)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    page = out.read_text()
+    assert "**Small mode**" in page and "do not edit by hand" in page
+    for name in report.SECTIONS:
+        assert f"`{report.command_line(name, True)}`" in page
+    assert re.search(r"\| 32 x 128x1024 \| [0-9.]+ \[[0-9.]+-[0-9.]+\]", page)
+    assert re.search(r"reshard >= 2x the object store, 32 tensors \| [0-9.]+ \| (met|\*\*not met)",
+                     page)
+    assert re.search(r"\| Qwen3-235B-A22B \| 128->128 \| \d+ \|", page)
+    assert "bound from the layouts alone" in page and "| assumed |" in page
+    assert "3.2-3.3 s" in page and "All predictions." in page
+    assert re.search(r"\d of \d reshard predictions within 25%", page)
+    # rendering again from the kept outputs gives the same page
+    again = tmp_path / "again.md"
+    subprocess.run([sys.executable, "-m", "ray_reshard.bench.report", "--from",
+                    str(tmp_path / "raw"), "--out", str(again)], cwd=ROOT, check=True,
+                   capture_output=True, timeout=120)
+    assert again.read_text() == page
