@@ -417,19 +417,76 @@ def megatron_reference(cfg, sd, par, rank, fill=0.0) -> dict:
     return out
 
 
+# ------------------------------------------------------------------------- vLLM block FP8
+
+# Storages vLLM's Fp8LinearMethod / Fp8MoEMethod keep in FP8 (every linear projection of
+# attention and MLPs, the routed experts), each with a float32 `<name>_scale_inv`.
+FP8_STORAGES = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight",
+                "w13_weight", "w2_weight", "fused_qkv_a_proj.weight", "q_b_proj.weight",
+                "kv_b_proj.weight", "q_proj.weight", "kv_a_proj_with_mqa.weight")
+# HF weights they are made of, quantised as the checkpoint holds them (one tensor at a time)
+FP8_SOURCES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
+               "gate_proj.weight", "up_proj.weight", "down_proj.weight", "q_a_proj.weight",
+               "kv_a_proj_with_mqa.weight", "q_b_proj.weight", "kv_b_proj.weight")
+
+
+def _quantised(sd, block):
+    """(FP8 bytes as uint8, float32 scales) of every HF tensor vLLM FP8 quantises, each in
+    blocks of `block` over its last two dims; fused experts per half, as the checkpoint's
+    separate gate and up tensors."""
+    from ray_reshard.layout.quant import reference_quantize
+
+    def q(t):
+        w, s = reference_quantize(t.float(), block)
+        return w.view(torch.uint8), s
+
+    wq, sc = {}, {}
+    for k, v in sd.items():
+        if k.endswith("experts.gate_up_proj"):
+            (gw, gs), (uw, us) = (q(h) for h in v.chunk(2, dim=1))
+            wq[k], sc[k] = torch.cat([gw, uw], 1), torch.cat([gs, us], 1)
+        elif k.endswith("experts.down_proj") or (
+                k.endswith(FP8_SOURCES) and "shared_head" not in k and "eh_proj" not in k):
+            wq[k], sc[k] = q(v)
+    return wq, sc
+
+
+def vllm_fp8_reference(cfg, sd, par, rank, dtype, fill=0.0) -> dict:
+    """A vLLM FP8 engine's storages: the quantised tensors cut and fused by the same rules as
+    the model dtype's (applied to the FP8 bytes and, block by block, to the scales; the
+    engine's shards are whole blocks), everything else as in `vllm_reference`."""
+    block = tuple(par.weight_block_size)
+    wq, sc = _quantised(sd, block)
+    plain = vllm_reference(cfg, cast(sd, dtype), par, rank, fill)
+    weights = vllm_reference(cfg, {**sd, **wq}, par, rank, fill)
+    scales = vllm_reference(cfg, {**sd, **sc}, par, rank, fill)
+    out = {}
+    for name, t in plain.items():
+        if name.endswith(FP8_STORAGES):
+            out[name] = weights[name].view(torch.float8_e4m3fn)
+            out[name + "_scale_inv"] = scales[name]
+        else:
+            out[name] = t
+    return out
+
+
 # ------------------------------------------------------------------------------- either side
 
 def reference_state(cfg, sd, par, rank, dtype=None, fill=0.0) -> dict:
     """Every storage rank `rank` of `par` (a Megatron or VLLM layout) holds for the HF state
-    dict `sd` (fused or checkpoint-style experts), in `dtype`, padding rows holding `fill`."""
-    sd = cast(fuse_split_experts(sd), dtype)
+    dict `sd` (fused or checkpoint-style experts), in `dtype`, padding rows holding `fill`.
+    A vLLM FP8 engine's quantised storages hold `sd` quantised from its own dtype."""
+    sd = fuse_split_experts(sd)
     kind = type(par).__name__
+    if kind not in ("Megatron", "VLLM"):
+        raise TypeError(f"reference_state: par must be Megatron or VLLM, got {kind}")
+    if kind == "VLLM" and par.quantization == "fp8":
+        if par.model == "mtp":
+            raise NotImplementedError("reference_state: FP8 MTP draft models")
+        return vllm_fp8_reference(cfg, sd, par, rank, dtype, fill)
+    sd = cast(sd, dtype)
     if kind == "Megatron":
         return megatron_reference(cfg, sd, par, rank, fill)
-    if kind != "VLLM":
-        raise TypeError(f"reference_state: par must be Megatron or VLLM, got {kind}")
-    if getattr(par, "quantization", None):
-        raise NotImplementedError("reference_state: FP8 engines are checked in test_fp8_refit")
     if par.model == "mtp":
         return vllm_mtp_reference(cfg, sd, par, rank, fill)
     return vllm_reference(cfg, sd, par, rank, fill)

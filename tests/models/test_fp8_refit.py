@@ -13,6 +13,7 @@ from ray_reshard.models import Megatron, VLLM, Recipe, empty_storage, local_stat
 from ray_reshard.execution.reference import simulate_refit
 from ray_reshard.testing import holders
 
+from engine_reference import reference_state
 from models_testutil import make_model
 
 FP8 = torch.float8_e4m3fn
@@ -129,6 +130,13 @@ def test_fp8_refit_simulated(family, over, train, infer):
     assert fp8_bytes / bf16_bytes == pytest.approx((per_block + 4) / (2 * per_block))
     simulate_refit(plan, src, dst, bucket_bytes=4096)
     _check(cfg, sd, specs, infer, dst)
+    # every storage, FP8 weights and scales included, as engine_reference builds the engine's
+    for r in range(infer.world):
+        want = reference_state(cfg, sd, infer, r, dtype=torch.bfloat16, fill=7.0)
+        assert set(want) == set(dst[r]), (r, sorted(set(want) ^ set(dst[r])))
+        for n, t in dst[r].items():
+            assert t.dtype == want[n].dtype and t.shape == want[n].shape, (r, n)
+            assert torch.equal(t.view(torch.uint8), want[n].view(torch.uint8)), (r, n)
 
 
 # Ray's serialiser cannot ship float8 tensors (torch's legacy storage path has no float8), so
