@@ -140,6 +140,11 @@ MUTANTS = [
              'Slot(n("q_a"), dim=0, offset=d.kv_lora_rank + d.qk_rope_dim)'),
             ('Slot(n("q_a"), dim=0, offset=d.q_lora_rank)', 'Slot(n("q_a"), dim=0, offset=0)')),
            tuple(RECIPES)),
+    Mutant("R9", "vLLM FP8: o_proj kept in the model dtype",
+           "ray_reshard/models/vllm.py",
+           (('FP8_ROLES = frozenset({"qkv_w", "o_w", ', 'FP8_ROLES = frozenset({"qkv_w", '),
+            ('FP8_KINDS = frozenset({"q", "k", "v", "o", ', 'FP8_KINDS = frozenset({"q", "k", "v", ')),
+           ("tests/models/test_fp8_refit.py", "-k", "simulated")),
 ]
 
 
