@@ -243,7 +243,7 @@ def kernel_on_host(tmp_path_factory):
     from ray_reshard.execution import cuda_copy
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
-        pytest.skip("no C++ compiler to build the kernel for the host")
+        pytest.skip("no C++ compiler (g++ or c++ on PATH) to build the kernel for the host")
     d = tmp_path_factory.mktemp("kernel")
     (d / "k.cpp").write_text(HOST_SHIM % cuda_copy.SOURCE)
     subprocess.run([cxx, "-O1", "-shared", "-fPIC", "-o", str(d / "k.so"), str(d / "k.cpp")],
