@@ -8,18 +8,19 @@ optimizer step, then two engines on another node receive the weights TP2 (first 
 output rows, second by input columns, biases as vLLM keeps them). The engines' shards are
 checked bit-exactly against `DTensor.full_tensor()`.
 
-    python examples/dtensor_fsdp2.py [--dim 256] [--steps 2]
+    python examples/dtensor_fsdp2.py [--dim 256] [--steps 2] [--address HOST:PORT]
+
+Without --address it uses the Ray session already started in this process, or else starts a
+local two-node cluster on this machine (stopped at the end).
 """
 import argparse
 import socket
+import sys
 
 import ray
 import torch
 
 import ray_reshard as rr
-from ray_reshard.testing import connect
-
-
 
 WORLD, TP = 4, 2
 
@@ -92,41 +93,51 @@ def engine_layouts(names) -> dict:
     return {n: rr.Layout(mesh, (style[n],)) for n in names}
 
 
+def train_and_refit(dim: int, steps: int) -> int:
+    """FSDP2 trainers on node 0, TP2 engines on node 1; a refit after each optimizer step."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        master = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    trainers = [FSDPTrainer.options(**rr.on_node(0)).remote(r, WORLD, master, dim)
+                for r in range(WORLD)]
+    src_layouts = ray.get(trainers[0].layouts.remote())
+    dst_layouts = engine_layouts(src_layouts)
+    for n, (shape, lay) in src_layouts.items():
+        print(f"{n:<9} {str(shape):<12} trainer {lay}  ->  engine {dst_layouts[n]}")
+    specs = {n: rr.TensorSpec(shape, torch.float32, src=lay, dst=dst_layouts[n])
+             for n, (shape, lay) in src_layouts.items()}
+    engines = [Engine.options(**rr.on_node(1)).remote(
+        {n: dst_layouts[n].local_shape(r, shape) for n, (shape, _) in src_layouts.items()})
+        for r in range(TP)]
+    with rr.ReshardGroup(trainers, engines) as group:
+        for step in range(1, steps + 1):
+            losses = ray.get([t.step.remote(step) for t in trainers])
+            res = group.refit(specs)
+            full = ray.get([t.full.remote() for t in trainers])[0]
+            got = ray.get([e.weights.remote() for e in engines])
+            for r in range(TP):
+                for n, t in got[r].items():
+                    if not torch.equal(t, rr.shard_tensor(full[n], dst_layouts[n], r)):
+                        print(f"FAILED step {step}: engine {r} {n} differs from the DTensor")
+                        return 1
+            print(f"step {step}: mean loss {sum(losses) / len(losses):.4f}; {res.summary()}")
+    print(f"ok: engines hold the FSDP2 model's weights bit-exactly after each of {steps} steps")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--address", help="connect to this Ray cluster instead of starting one")
+    ap.add_argument("--address", help="Ray cluster to join (default: this process's Ray session, "
+                                      "or a local two-node cluster)")
     args = ap.parse_args(argv)
-    with connect(args.address):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            master = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-        trainers = [FSDPTrainer.options(resources={"node0": 1}).remote(r, WORLD, master, args.dim)
-                    for r in range(WORLD)]
-        src_layouts = ray.get(trainers[0].layouts.remote())
-        dst_layouts = engine_layouts(src_layouts)
-        for n, (shape, lay) in src_layouts.items():
-            print(f"{n:<9} {str(shape):<12} trainer {lay}  ->  engine {dst_layouts[n]}")
-        specs = {n: rr.TensorSpec(shape, torch.float32, src=lay, dst=dst_layouts[n])
-                 for n, (shape, lay) in src_layouts.items()}
-        engines = [Engine.options(resources={"node1": 1}).remote(
-            {n: dst_layouts[n].local_shape(r, shape) for n, (shape, _) in src_layouts.items()})
-            for r in range(TP)]
-        with rr.ReshardGroup(trainers, engines) as group:
-            for step in range(1, args.steps + 1):
-                losses = ray.get([t.step.remote(step) for t in trainers])
-                res = group.refit(specs)
-                full = ray.get([t.full.remote() for t in trainers])[0]
-                got = ray.get([e.weights.remote() for e in engines])
-                for r in range(TP):
-                    for n, t in got[r].items():
-                        if not torch.equal(t, rr.shard_tensor(full[n], dst_layouts[n], r)):
-                            print(f"FAILED step {step}: engine {r} {n} differs from the DTensor")
-                            return 1
-                print(f"step {step}: mean loss {sum(losses) / len(losses):.4f}; {res.summary()}")
-    print(f"ok: engines hold the FSDP2 model's weights bit-exactly after each of {args.steps} steps")
-    return 0
+    try:
+        with rr.connect(args.address):
+            return train_and_refit(args.dim, args.steps)
+    except rr.ClusterUnreachable as e:
+        print(f"dtensor_fsdp2: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -8,18 +8,20 @@ experts, padded vocabulary). `ray_reshard.models` builds the TensorSpecs from th
 refit fills the engines. Then each side's storages are reassembled into a Hugging Face model
 and the engines' logits must equal the trainers' exactly.
 
-    python examples/megatron_to_vllm.py [--layers 2] [--hidden 64]
+    python examples/megatron_to_vllm.py [--layers 2] [--hidden 64] [--address HOST:PORT]
+
+Needs transformers (`pip install 'transformers>=4.51'`) besides ray-reshard, to build the model
+and compute its logits. Without --address it uses the Ray session already started in this
+process, or else starts a local two-node cluster on this machine (stopped at the end).
 """
 import argparse
+import sys
 
 import ray
 import torch
 
 import ray_reshard as rr
 from ray_reshard import models
-from ray_reshard.testing import connect
-
-
 
 
 def build_model(layers: int, hidden: int):
@@ -61,31 +63,26 @@ def logits_of(cfg, model_cls, state_dict, tokens):
         return model(tokens).logits
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--address", help="connect to this Ray cluster instead of starting one")
-    args = ap.parse_args(argv)
-    cfg, model = build_model(args.layers, args.hidden)
+def refit_and_compare(layers: int, hidden: int) -> int:
+    """Megatron storages on node 0, vLLM storages on node 1; one refit; logits compared."""
+    cfg, model = build_model(layers, hidden)
     train = models.Megatron(tp=2, pp=2, ep=2, etp=1)      # world 4: TP2 x PP2, experts EP2
     infer = models.VLLM(tp=2, dp=2, ep=2)                  # two engines of TP2, experts EP across them
     specs = models.refit_specs(cfg, train=train, infer=infer, dtype=torch.float32)
     state = model.state_dict()
-    print(f"Qwen3-MoE, {args.layers} layers: {len(state)} HF parameters as {len(specs)} logical "
+    print(f"Qwen3-MoE, {layers} layers: {len(state)} HF parameters as {len(specs)} logical "
           f"tensors; train {train} -> infer {infer}")
-    with connect(args.address):
-        trainers = [Holder.options(resources={"node0": 1}).remote(
-            models.local_state(cfg, train, "src", r, state)) for r in range(train.world)]
-        engines = [Holder.options(resources={"node1": 1}).remote(
-            models.empty_storage(cfg, infer, r, dtype=torch.float32)) for r in range(infer.world)]
-        print("trainer rank 0 storages:", sorted(ray.get(trainers[0].get.remote()))[:6], "...")
-        print("engine rank 0 storages: ", sorted(ray.get(engines[0].get.remote()))[:6], "...")
-        with rr.ReshardGroup(trainers, engines) as group:
-            print(group.plan(specs).summary())
-            print(group.refit(specs).summary())
-        src_sd = models.assemble_state_dict(cfg, train, ray.get([t.get.remote() for t in trainers]))
-        dst_sd = models.assemble_state_dict(cfg, infer, ray.get([e.get.remote() for e in engines]))
+    trainers = [Holder.options(**rr.on_node(0)).remote(
+        models.local_state(cfg, train, "src", r, state)) for r in range(train.world)]
+    engines = [Holder.options(**rr.on_node(1)).remote(
+        models.empty_storage(cfg, infer, r, dtype=torch.float32)) for r in range(infer.world)]
+    print("trainer rank 0 storages:", sorted(ray.get(trainers[0].get.remote()))[:6], "...")
+    print("engine rank 0 storages: ", sorted(ray.get(engines[0].get.remote()))[:6], "...")
+    with rr.ReshardGroup(trainers, engines) as group:
+        print(group.plan(specs).summary())
+        print(group.refit(specs).summary())
+    src_sd = models.assemble_state_dict(cfg, train, ray.get([t.get.remote() for t in trainers]))
+    dst_sd = models.assemble_state_dict(cfg, infer, ray.get([e.get.remote() for e in engines]))
     tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
     want = logits_of(cfg, type(model), src_sd, tokens)
     got = logits_of(cfg, type(model), dst_sd, tokens)
@@ -96,6 +93,27 @@ def main(argv=None) -> int:
     print(f"ok: the engines' model gives exactly the trainers' logits "
           f"({tuple(got.shape)}, max |logit| {got.abs().max().item():.3f})")
     return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--address", help="Ray cluster to join (default: this process's Ray session, "
+                                      "or a local two-node cluster)")
+    args = ap.parse_args(argv)
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("megatron_to_vllm: error: this example builds its model with transformers: "
+              "pip install 'transformers>=4.51'", file=sys.stderr)
+        return 2
+    try:
+        with rr.connect(args.address):
+            return refit_and_compare(args.layers, args.hidden)
+    except rr.ClusterUnreachable as e:
+        print(f"megatron_to_vllm: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

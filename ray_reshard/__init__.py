@@ -1,8 +1,8 @@
 """ray-reshard: move model weights between differently sharded sets of Ray actors.
 
 Layouts (`ray_reshard.layout`), planning (`ray_reshard.planning`) and execution in one
-process (`ray_reshard.execution`) import no Ray; the runtime (`ReshardGroup`) and the model
-recipes (`ray_reshard.models`) load on first use.
+process (`ray_reshard.execution`) import no Ray; the runtime (`ReshardGroup`), the model
+recipes (`ray_reshard.models`) and the session helpers (`connect`, `on_node`) load on first use.
 """
 from .layout import (BlockFP8, Box, Layout, LayoutUnion, Mesh, Replicate, Shard, Slot, TensorSpec,
                      assemble, combine_destinations, replica_specs, shard_tensor)
@@ -13,7 +13,8 @@ from .errors import RefitError, TransportError, TransportTimeout
 __version__ = "0.1.0"
 
 _LAZY = {"ReshardGroup": "runtime.group", "RefitResult": "runtime.group",
-         "PendingRefit": "runtime.group", "models": "models"}
+         "PendingRefit": "runtime.group", "models": "models",
+         "connect": "session", "on_node": "session", "ClusterUnreachable": "session"}
 
 
 def __getattr__(name):

@@ -1,10 +1,9 @@
-"""ray-reshard command line.
+"""ray-reshard: plan, simulate and run refits between differently sharded layouts.
 
     ray-reshard plan --model deepseek-v3 --train megatron:pp=16,ep=16 --infer vllm:tp=32,dp=8
-    ray-reshard demo | bench | model-bytes | plan-scale | soak | rebuild
+    ray-reshard simulate --model llama70b --train megatron:tp=8,pp=4 --infer vllm:tp=8,dp=4
+    ray-reshard demo
 
-`plan` prints what a refit of a model between two layouts moves (no Ray, no GPU needed);
-`demo` refits a small model on a local CPU Ray cluster; the others are benchmarks.
 Every command takes --help. A wrong argument prints one line and exits with status 2.
 """
 from __future__ import annotations
@@ -17,7 +16,8 @@ import os
 import sys
 import time
 
-from .cli_args import Parser, add_refit_args, build_refit, describe, positive_int, progress
+from .cli_args import (Parser, add_refit_args, build_refit, describe, output_dir, positive_int,
+                       progress, require_module, say)
 from .planning.plan import DEFAULT_BUCKET_BYTES
 
 # subcommand -> (module, help); each module has add_args(parser) and run(args) -> int.
@@ -65,11 +65,15 @@ OWN_PARSERS = {
 }
 
 
+# Plans of at least this many tensors announce themselves on stderr (they take seconds).
+LARGE_PLAN_TENSORS = 2000
+
+
 def parser() -> Parser:
     ap = Parser(prog="ray-reshard", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=Parser, metavar="command",
-                            help="plan, demo, " + ", ".join(BENCHES))
+                            title="commands")
     p = sub.add_parser("plan", help="traffic report of a model's refit between two layouts",
                        description="What a refit moves: bytes by path vs the lower bound vs "
                                    "gather-broadcast, busiest ranks, buckets, staging.")
@@ -77,7 +81,8 @@ def parser() -> Parser:
     p.add_argument("--bucket-mb", type=positive_int, default=DEFAULT_BUCKET_BYTES >> 20,
                    help=f"bucket size (default {DEFAULT_BUCKET_BYTES >> 20})")
     p.add_argument("--png", metavar="DIR",
-                   help="write tilings.png (one parameter) and domains.png (traffic heat map)")
+                   help="write tilings.png (one parameter) and domains.png (traffic heat map) "
+                        "into DIR, created if missing (needs the viz extra)")
     p.add_argument("--param", help="the parameter tilings.png draws (default: a telling one)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     d = sub.add_parser("demo", help="refit a small MoE model between Megatron and vLLM layouts "
@@ -91,7 +96,8 @@ def parser() -> Parser:
         sub.add_parser(name, help=text, add_help=False)
     if _has_simulator():
         sub.add_parser("simulate", help="predict a refit's time on a described cluster "
-                                        "(same --model/--train/--infer)", add_help=False)
+                                        "(same --model/--train/--infer as plan)", add_help=False)
+    ap.plan_parser = p        # its errors name "ray-reshard plan"
     return ap
 
 
@@ -102,9 +108,18 @@ def _has_simulator() -> bool:
 def plan_command(args, ap) -> int:
     from .plan_report import render, traffic
 
+    if args.png:      # before planning: a long plan should not end in a wrong path
+        try:
+            require_module("matplotlib", "viz", "--png")
+            output_dir(args.png)
+        except argparse.ArgumentTypeError as e:
+            ap.error(f"argument --png: {e}")
     t0 = time.perf_counter()
     refit = build_refit(args, ap)
     t1 = time.perf_counter()
+    if len(refit.specs) >= LARGE_PLAN_TENSORS:
+        say(f"planning {refit.title}: {len(refit.specs):,} tensors, {refit.train.world} -> "
+            f"{refit.infer.world} ranks (large models take seconds to a minute)...")
     try:
         plan = refit.plan()
     except ValueError as e:          # e.g. FP8 blocks cut by the inference layout
@@ -125,7 +140,6 @@ def plan_command(args, ap) -> int:
         if name not in plan.index:
             ap.error(f"argument --param: no parameter {name!r} in {refit.title}'s specs "
                      f"(e.g. {next(iter(plan.names))!r})")
-        os.makedirs(args.png, exist_ok=True)
         try:
             pictures["tilings"] = draw_tilings(plan, name, os.path.join(args.png, "tilings.png"))
         except ValueError as e:
@@ -158,7 +172,7 @@ def main(argv=None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
     if args.cmd == "plan":
-        return plan_command(args, ap)
+        return plan_command(args, ap.plan_parser)
     if args.cmd == "demo":
         from .demo import run_demo
         return run_demo(scale=args.scale, repeats=args.repeats)

@@ -16,6 +16,7 @@ line and exits with status 2 (no traceback).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -227,19 +228,17 @@ def recipe_specs(config: dict, train, infer, dtype, hf_experts: str = "auto") ->
 
 
 # ---------------------------------------------------------------- the shared set
-def add_refit_args(p: argparse.ArgumentParser, *, model: str = "deepseek-v3",
-                   train: str = "megatron:pp=16,ep=16",
-                   infer: str = "vllm:tp=32,dp=8") -> None:
-    """--model, --train, --infer, --gpus-per-node, --dtype, --hf-experts."""
-    p.add_argument("--model", type=model_arg, default=model,
+def add_refit_args(p: argparse.ArgumentParser) -> None:
+    """--model, --train, --infer (all three required), --gpus-per-node, --dtype, --hf-experts."""
+    p.add_argument("--model", type=model_arg, required=True,
                    help=f"a known model ({', '.join(MODELS)}) or a path to a HF config.json "
-                        f"(default {model})")
-    p.add_argument("--train", type=train_arg, default=train,
-                   help=f"training layout, megatron:tp=..,pp=..,ep=..,etp=..,dp=.. "
-                        f"(default {train})")
-    p.add_argument("--infer", type=infer_arg, default=infer,
-                   help=f"inference layout, vllm:tp=..,dp=..,pp=..,ep=.., or several groups "
-                        f"fed in one refit joined by + (default {infer})")
+                        f"(or its directory)")
+    p.add_argument("--train", type=train_arg, required=True,
+                   help="training layout, megatron:tp=..,pp=..,ep=..,etp=..,dp=.., "
+                        "e.g. megatron:pp=16,ep=16")
+    p.add_argument("--infer", type=infer_arg, required=True,
+                   help="inference layout, vllm:tp=..,dp=..,pp=..,ep=.., e.g. vllm:tp=32,dp=8, "
+                        "or several groups fed in one refit joined by +")
     p.add_argument("--gpus-per-node", type=positive_int,
                    default=8, help="ranks per NVLink domain on each side (default 8)")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16",
@@ -350,3 +349,88 @@ def _bar(iterable, total, desc):
             last = now
         yield x
     sys.stderr.write("\r" + " " * (len(desc) + 50) + "\r")
+
+
+# ---------------------------------------------------------------- user errors, quiet output
+def require_module(module: str, extra: str, what: str) -> None:
+    """Raise `argparse.ArgumentTypeError` naming the extra to install when `module` is
+    missing (e.g. matplotlib -> `pip install 'ray-reshard[viz]'`)."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise argparse.ArgumentTypeError(
+            f"{what} needs {module}, which is not installed: pip install 'ray-reshard[{extra}]'")
+
+
+def output_dir(path: str) -> str:
+    """`path` as a directory to write into, created if missing; a one-line
+    `argparse.ArgumentTypeError` when it is a file or cannot be created."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(
+            f"{path!r} is a file; give a directory (created if missing)")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise argparse.ArgumentTypeError(
+            f"cannot create directory {path!r}: {e.strerror or e}") from None
+    if not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError(f"directory {path!r} is not writable")
+    return path
+
+
+def output_file(path: str) -> str:
+    """`path` as a file to write at the end of a run, checked at the start: a one-line
+    `argparse.ArgumentTypeError` when it is a directory or its directory does not exist."""
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{path!r} is a directory; give a file path")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"directory {parent!r} of {path!r} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"directory {parent!r} is not writable")
+    return path
+
+
+def say(text: str) -> None:
+    """A progress line on stderr (stdout stays the command's result)."""
+    print(text, file=sys.stderr, flush=True)
+
+
+class _RayletFilter:
+    """A stdout stand-in that sends the paragraphs Ray's driver prints for the raylet
+    ("(raylet) A worker died ...") to the `ray_reshard` logger at DEBUG, and passes the rest."""
+
+    MARK = "(raylet)"
+
+    def __init__(self, stream):
+        self._stream = stream
+        self._dropped_line = False
+
+    def write(self, text: str) -> int:
+        if self.MARK in text:
+            import logging
+
+            logging.getLogger("ray_reshard").debug("ray: %s", text.strip())
+            self._dropped_line = True
+            return len(text)
+        if self._dropped_line and text == "\n":      # print()'s end of the dropped message
+            self._dropped_line = False
+            return len(text)
+        self._dropped_line = False
+        return self._stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def raylet_messages_at_debug():
+    """Inside the block, messages Ray's driver relays from the raylet (a worker that died, too
+    many workers started) are logged at DEBUG on the `ray_reshard` logger instead of printed:
+    a command whose result line already names what happened stays quiet."""
+    before = sys.stdout
+    sys.stdout = _RayletFilter(before)
+    try:
+        yield
+    finally:
+        sys.stdout = before

@@ -14,6 +14,7 @@ for. `cluster_prediction` is where a cluster simulator's predicted times are add
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Optional
 
@@ -40,7 +41,8 @@ def run_demo(scale: int = 1, repeats: int = 3) -> int:
 
     import ray_reshard as rr
     from ray_reshard import models
-    from ray_reshard.testing import local_cluster
+    from ray_reshard.cli_args import raylet_messages_at_debug, say
+    from ray_reshard.session import connect
 
     config = dict(CONFIG, num_hidden_layers=CONFIG["num_hidden_layers"] * scale)
     train = models.Megatron(tp=1, pp=2, ep=2, dp=2)
@@ -56,7 +58,11 @@ def run_demo(scale: int = 1, repeats: int = 3) -> int:
     print(f"training side: Megatron {train.pp=} {train.ep=} {train.dp=} (fp32), node A; "
           f"inference side: {infer} (bf16), node B")
 
-    with local_cluster(2):
+    # Tests running many commands share one cluster through RAY_RESHARD_CLUSTER_ADDRESS.
+    address = os.environ.get("RAY_RESHARD_CLUSTER_ADDRESS")
+    if address is None and not ray.is_initialized():
+        say("starting a local two-node Ray cluster...")
+    with connect(address, nodes=2), raylet_messages_at_debug():
         @ray.remote(num_cpus=0)
         class Trainer:
             def __init__(self, params):
@@ -96,6 +102,7 @@ def run_demo(scale: int = 1, repeats: int = 3) -> int:
                 if strategy == "reshard":
                     plan = group.plan(specs)
                     print("\nplan:\n" + plan.summary())
+                say(f"{strategy}: first refit (sets up groups and programs)...")
                 group.refit(specs)                      # first refit also installs programs
                 runs = []
                 for _ in range(repeats):

@@ -22,7 +22,7 @@ import torch
 from ray import cloudpickle
 
 import ray_reshard as rr
-from ray_reshard.cli_args import positive_float, positive_int
+from ray_reshard.cli_args import Parser, positive_float, positive_int, raylet_messages_at_debug
 from ray_reshard.testing import Holder, local_cluster
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -129,7 +129,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    with local_cluster(2):
+    # Ray relays each injected death as a raylet paragraph: logged at DEBUG, the table names it.
+    with local_cluster(2), raylet_messages_at_debug():
         res = measure(args.timeout, args.repeats)
     print(f"seconds from fault to the refit's error (refit deadline {args.timeout:.0f} s, "
           f"{args.repeats} run(s) each)")
@@ -139,8 +140,8 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="ray-reshard bench-faults", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="ray-reshard bench-faults", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(ap)
     return run(ap.parse_args(argv))
 

@@ -14,11 +14,12 @@ decode (TP2 x DP2) engines on the other; one call for both groups vs two calls i
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
+
+from ray_reshard.cli_args import Parser
 
 
 def plan_rows(model: str) -> list[dict]:
@@ -105,8 +106,8 @@ def local_rows(mb: int, repeats: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="ray_reshard bench-groups",
-                                 description=__doc__.splitlines()[0])
+    ap = Parser(prog="ray_reshard bench-groups",
+                description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama70b", choices=("llama70b", "qwen3-235b"),
                     help="model of the planned rows (default llama70b)")
     ap.add_argument("--local-mb", type=int, default=64, help="MiB of fp32 weights locally")

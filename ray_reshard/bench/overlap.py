@@ -19,7 +19,7 @@ import torch
 from ray import cloudpickle
 
 import ray_reshard as rr
-from ray_reshard.cli_args import positive_float, positive_int
+from ray_reshard.cli_args import Parser, positive_float, positive_int
 from ray_reshard.testing import Holder, local_cluster
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -79,8 +79,8 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="ray-reshard bench-overlap", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="ray-reshard bench-overlap", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(ap)
     return run(ap.parse_args(argv))
 

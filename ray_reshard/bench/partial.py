@@ -9,16 +9,17 @@ in proportion to its bytes and tensors.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 
+from ray_reshard.cli_args import Parser
+
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="ray_reshard bench-partial",
-                                 description=__doc__.splitlines()[0])
+    ap = Parser(prog="ray_reshard bench-partial",
+                description=__doc__.splitlines()[0])
     ap.add_argument("--tensors", type=int, default=1000, help="tensors in the model")
     ap.add_argument("--mb", type=int, default=128, help="MiB of fp32 weights in the model")
     ap.add_argument("--fraction", type=float, default=0.01, help="share of the names refitted")

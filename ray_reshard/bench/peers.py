@@ -28,13 +28,13 @@ the figures.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 
 import torch
 
+from ..cli_args import Parser, output_file
 from .harness import MiB, SpillCheck, Spread, check_store, machine_facts, sized_cluster, \
     store_bytes_for
 
@@ -269,8 +269,8 @@ def goals(out: dict) -> list:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="ray_reshard bench-peers",
-                                 description=__doc__.splitlines()[0])
+    ap = Parser(prog="ray_reshard bench-peers",
+                description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=int, default=256, help="MiB of fp32 weights per case")
     ap.add_argument("--counts", default="32,1024,4096",
                     help="comma-separated tensor counts (default 32,1024,4096)")
@@ -278,7 +278,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bucket-mb", type=int, default=16, help="reshard's bucket size")
     ap.add_argument("--store-mb", type=int, default=0,
                     help="object store per node (default: sized for --mb, see harness)")
-    ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    ap.add_argument("--json", metavar="PATH", type=output_file,
+                    help="also write the figures as JSON")
     args = ap.parse_args(argv)
     try:
         counts = [int(x) for x in args.counts.split(",")]

@@ -6,12 +6,13 @@ long after the publish the waiter has it (median, p90), and the waiter's CPU sec
 """
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import os
 import statistics
 import struct
 import time
+
+from ray_reshard.cli_args import Parser
 
 
 def _peer(out_name: str, back_name: str, rounds: int, busy_s: float) -> None:
@@ -72,8 +73,8 @@ def _waiter(rounds: int, busy_s: float, results) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="ray_reshard bench-ring-wakeup",
-                                 description=__doc__.splitlines()[0])
+    ap = Parser(prog="ray_reshard bench-ring-wakeup",
+                description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=300)
     ap.add_argument("--busy-ms", type=float, default=2.0)
     args = ap.parse_args(argv)

@@ -31,7 +31,6 @@ are timed apart (`turns s`, charged to the first rank of a layout: the plan cach
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -52,7 +51,7 @@ from ..models import VLLM, Megatron, Recipe
 from ..runtime.channel import LoopbackChannel
 from ..runtime.executor import Transports, default_window, run_program
 from ..runtime.worker import storage_signature
-from ..cli_args import DEEPSEEK_V3, QWEN3_235B
+from ..cli_args import DEEPSEEK_V3, Parser, QWEN3_235B, output_file
 from .model_bytes import DSV3_PP16, QWEN3_PP8
 
 NIC_BYTES_PER_S = 50e9          # 400 Gb/s per GPU (DGX H100)
@@ -402,8 +401,8 @@ def first_refit_goals(rows: dict) -> list:
 
 
 def main(argv=None, cmd: str = "replay") -> int:
-    ap = argparse.ArgumentParser(prog=f"ray_reshard bench-{cmd}",
-                                 description=__doc__.splitlines()[0])
+    ap = Parser(prog=f"ray_reshard bench-{cmd}",
+                description=__doc__.splitlines()[0])
     ap.add_argument("--bucket-mb", type=int, default=BUCKET >> 20)
     if cmd == "replay":
         ap.add_argument("--model", default="deepseek-v3", choices=sorted(CASES))
@@ -420,7 +419,8 @@ def main(argv=None, cmd: str = "replay") -> int:
         ap.add_argument("--wide", type=int, default=1, help="also the 1024 -> 1024 layout (0: no)")
         ap.add_argument("--ranks-per-domain", type=int, default=RANKS_PER_DOMAIN,
                         help="GPUs per NVLink domain (72: GB200 NVL72)")
-        ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+        ap.add_argument("--json", metavar="PATH", type=output_file,
+                        help="also write the figures as JSON")
         args = ap.parse_args(argv)
         out = first_refit(args)
         if args.json:

@@ -14,7 +14,6 @@ limit each step). `--executor` prints each row with the executor's ring behaviou
 """
 from __future__ import annotations
 
-import argparse
 
 from ray_reshard.cli_args import Parser
 from ray_reshard.sim.cli import build_parser, run

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 CASES = {
@@ -46,3 +48,62 @@ def test_examples_run(cluster):
         if proc.returncode != 0 or CASES[name][1] not in out:
             failures.append(f"{name} exited {proc.returncode}:\n{out[-2000:]}\n{err[-2000:]}")
     assert not failures, "\n\n".join(failures)
+
+
+def test_example_reuses_the_callers_ray_session(cluster):
+    """A user who already called ray.init() runs an example's main(): it uses that session and
+    leaves it running (no "ray.init twice" error)."""
+    script = (
+        "import runpy, ray\n"
+        f"ray.init(address={cluster.address!r}, log_to_driver=False)\n"
+        f"main = runpy.run_path({str(ROOT / 'examples' / 'quickstart.py')!r})['main']\n"
+        "code = main(['--rows', '256', '--cols', '64'])\n"
+        "print('still connected:', ray.is_initialized(), 'exit', code)\n")
+    p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "verified: all 4 destination shards" in p.stdout
+    assert "still connected: True exit 0" in p.stdout
+
+
+def test_unreachable_address_is_one_line_and_exit_2():
+    import socket
+
+    with socket.socket() as s:            # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name in ("quickstart.py", "dtensor_fsdp2.py", "megatron_to_vllm.py"):
+        p = subprocess.run([sys.executable, str(ROOT / "examples" / name), "--address",
+                            f"127.0.0.1:{port}"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120)
+        assert p.returncode == 2, (name, p.stdout[-1000:], p.stderr[-1000:])
+        err = p.stderr.strip().splitlines()
+        assert len(err) == 1 and f"no Ray cluster answers at '127.0.0.1:{port}'" in err[0], err
+
+
+def test_megatron_to_vllm_names_what_it_needs(monkeypatch, capsys):
+    import runpy
+
+    monkeypatch.setitem(sys.modules, "transformers", None)      # as if not installed
+    main = runpy.run_path(str(ROOT / "examples" / "megatron_to_vllm.py"))["main"]
+    assert main([]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("megatron_to_vllm: error: this example builds its model with transformers: "
+                   "pip install 'transformers>=4.51'")
+
+
+def test_examples_use_only_the_public_api():
+    for path in (ROOT / "examples").glob("*.py"):
+        if path.name == "rl_loop.py":
+            continue
+        text = path.read_text()
+        assert "ray_reshard.testing" not in text, path.name
+
+
+def test_on_node_places_actors_by_the_clusters_node_resources(cluster):
+    import ray_reshard as rr
+
+    assert rr.on_node(0) == {"resources": {"node0": 1}}
+    assert rr.on_node(1) == {"resources": {"node1": 1}}
+    with pytest.raises(ValueError, match="node index"):
+        rr.on_node(-1)
