@@ -15,9 +15,9 @@ A recipe piece that is part of a parameter (see `pieces`) is placed where FSDP2 
 elements: fused experts' ``gate_up_proj@gate`` / ``@up`` (a slice of dim 1) keep the
 parameter's dim-0 sharding; a per-expert piece (``@e5.gate``, ``down_proj@e5``) is whole on the
 ranks whose chunk holds expert 5; a q/k/v group (``@g3``, rows of dim 0) lies in one chunk,
-starts on a chunk boundary, or spans two chunks with the first part the longer, else the
-layouts cannot describe it and the recipe refuses it (`FSDPSide.place` raises, naming the
-piece, the parameter and the shard count). Group pieces are only cut for a Megatron side with
+starts on a chunk boundary, or spans two chunks with its part in the first at least as long;
+otherwise no layout describes it and the recipe refuses it (`FSDPSide.place` raises, naming
+the piece, the parameter and the shard count). Group pieces are only cut for a Megatron side with
 several query groups per tensor-parallel rank; FSDP to vLLM never needs them.
 
 `fsdp_local_tensors(module)` gives a trainer's storages: ``{hf_name: local shard}`` to pass as
@@ -177,12 +177,15 @@ class FSDPSide(EngineSide):
             for r in cols[:, 1]:
                 slots[int(r)] = Slot(pc.hf, (), 0, 0)
             return self._shard(cols, 0, head), self._table(slots)
+        rest = f"chunk {last}" if last == first + 1 else f"chunks {first + 1}..{last}"
         raise ValueError(
-            f"FSDP: piece {pc.name!r} is rows {a}..{a + n - 1} of {pc.hf!r} (shape "
-            f"{shape}), which shard={S} cuts in chunks of {size} rows: its rows {a}..{a + head - 1}"
-            f" and the rest over {last - first} more chunks cannot be described as one layout "
-            f"(a Megatron side with several query groups per tensor-parallel rank cuts q/k/v "
-            f"per group; choose a shard count whose chunks align with the groups)")
+            f"FSDP: piece {pc.name!r} is rows {a}..{a + n - 1} of {pc.hf!r} (shape {shape}); "
+            f"shard={S} cuts that parameter in chunks of {size} rows, so the piece has {head} "
+            f"rows in chunk {first} and {n - head} more in {rest}. One layout describes a "
+            f"piece of rows only when it lies in one chunk, starts a chunk, or spans two chunks "
+            f"with its part in the first at least as long. (Pieces of rows are q/k/v cut per "
+            f"query group for a Megatron side holding several groups per tensor-parallel rank: "
+            f"choose a shard count whose chunks start at group boundaries.)")
 
 
 def _hf_name(name: str) -> str:

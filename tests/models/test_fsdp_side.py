@@ -276,6 +276,14 @@ def test_refit_fsdp_to_vllm(key, train, infer, dtype):
         assert any("@e" in n for n in specs)      # per-expert pieces, each in one FSDP chunk
 
 
+@pytest.mark.parametrize("infer", [VLLM(tp=2, pp=2), VLLM(tp=1, pp=3, dp=2)])
+def test_refit_fsdp_to_pipelined_vllm(infer):
+    cfg, model, sd = model_of("qwen3-tied")         # the tied head on the last stage too
+    train = FSDP(3, 2)
+    src = [fsdp_reference(model, 3, 2, r) for r in range(train.world)]
+    refit_and_check(cfg, sd, train, infer, torch.bfloat16, src)
+
+
 @pytest.mark.parametrize("key", ["qwen3_moe", "deepseek_v3"])
 def test_refit_checkpoint_style_experts(key):
     cfg, model, sd = model_of(key)
@@ -325,36 +333,46 @@ def test_group_pieces_are_placed_exactly_or_refused():
     assert placed > refused > 0
 
 
-def test_fsdp_and_megatron_both_ways():
-    cfg, model, sd = model_of("qwen3")
-    # Megatron TP1 keeps both query groups in one linear_qkv: q/k/v are cut per group; with
-    # shard=2 each group starts on a chunk boundary
-    train = FSDP(2)
-    src = [fsdp_reference(model, 2, 1, r) for r in range(2)]
-    infer = Megatron(tp=1, dp=2)
-    specs = refit_specs(cfg, train, infer, dtype=torch.float32)
-    assert any("@g1" in n for n in specs)
-    dst = [empty_storage(cfg, infer, r, dtype=torch.float32, fill=SENTINEL) for r in range(2)]
-    simulate_refit(rr.plan(specs, [0, 0], [1, 1]), src, dst)
-    for r in range(2):
-        want = reference_state(cfg, sd, infer, r, dtype=torch.float32, fill=SENTINEL)
-        assert set(want) == set(dst[r])
-        for n, t in want.items():
-            assert same(dst[r][n], t), (r, n)
+@pytest.mark.parametrize("over,shard,replicate,per_rank_slots", [
+    # 2 query groups, q_proj 128 rows: chunks of 64 start each group
+    ({}, 2, 1, False),
+    # 3 query groups of 32 q rows / 16 k, v rows over 2: group 1 spans both chunks, the longer
+    # part in the first (a table of per-rank slots)
+    ({"num_attention_heads": 6, "num_key_value_heads": 3}, 2, 2, True),
+])
+def test_fsdp_and_megatron_both_ways(over, shard, replicate, per_rank_slots):
+    """Megatron TP1 keeps all query groups in one linear_qkv, so q/k/v are cut per group."""
+    cfg, model = make_model("qwen3", **over)
+    sd = model.state_dict()
+    fsdp, megatron = FSDP(shard, replicate), Megatron(tp=1, dp=2)
+    for train, infer in ((fsdp, megatron), (megatron, fsdp)):
+        specs = refit_specs(cfg, train, infer, dtype=torch.bfloat16, train_dtype=torch.float32)
+        assert any("@g1" in n for n in specs)
+        tables = [sp.src_slots if train is fsdp else sp.dst_slots for sp in specs.values()]
+        assert any(t.uniform is None for t in tables) == per_rank_slots
+        if train is fsdp:
+            src = [fsdp_reference(model, shard, replicate, r) for r in range(train.world)]
+        else:
+            src = [reference_state(cfg, sd, train, r, dtype=torch.float32)
+                   for r in range(train.world)]
+        dst = [empty_storage(cfg, infer, r, dtype=torch.bfloat16, fill=SENTINEL)
+               for r in range(infer.world)]
+        simulate_refit(rr.plan(specs, [0] * train.world, [1] * infer.world), src, dst)
+        bf16 = {n: t.to(torch.bfloat16) for n, t in sd.items()}
+        for r in range(infer.world):
+            if infer is fsdp:
+                want = fsdp_reference(model, shard, replicate, r,
+                                      sd={n: bf16[n] for n, _ in model.named_parameters()})
+            else:
+                want = reference_state(cfg, sd, infer, r, dtype=torch.bfloat16, fill=SENTINEL)
+            assert set(want) == set(dst[r])
+            for n, t in want.items():
+                assert same(dst[r][n], t), (str(train), str(infer), r, n)
+
+
+def test_group_pieces_fsdp_cannot_lay_out_are_refused():
+    cfg, _, _ = model_of("qwen3")
     # shard=3 cuts q_proj (128 rows) in chunks of 43: group 1 (rows 64..127) starts inside
     # chunk 1 and goes on over chunk 2, longer than its part in chunk 1: no one layout says so
     with pytest.raises(ValueError, match=r"q_proj\.weight@g1.*shard=3"):
-        refit_specs(cfg, FSDP(3), infer)
-    # Megatron to FSDP: the trainer's HF parameters as the destination (HSDP replicas too)
-    train, infer = Megatron(tp=2, dp=2), FSDP(2, 2)
-    specs = refit_specs(cfg, train, infer, dtype=torch.bfloat16, train_dtype=torch.float32)
-    src = [reference_state(cfg, sd, train, r, dtype=torch.float32) for r in range(train.world)]
-    dst = [empty_storage(cfg, infer, r, dtype=torch.bfloat16, fill=SENTINEL)
-           for r in range(infer.world)]
-    simulate_refit(rr.plan(specs, [0] * 4, [1] * 4), src, dst)
-    bf16 = {n: t.to(torch.bfloat16) for n, t in sd.items()}
-    for r in range(infer.world):
-        want = fsdp_reference(model, 2, 2, r, sd={n: bf16[n] for n, _ in model.named_parameters()})
-        assert set(want) == set(dst[r])
-        for n, t in want.items():
-            assert same(dst[r][n], t), (r, n)
+        refit_specs(cfg, FSDP(3), Megatron(tp=1))
