@@ -208,7 +208,8 @@ def storage_signature(storage: dict, names: tuple) -> tuple:
     for n in names:
         t = storage.get(n)
         if isinstance(t, torch.Tensor):
-            sig.append((t.data_ptr(), t.dtype, t.device, t.shape, t.stride()))
+            sig.append((t.data_ptr(), t.dtype, t.device, t.shape, t.stride(),
+                        t.untyped_storage().nbytes()))
         else:
             sig.append(type(t))
     return tuple(sig)
@@ -254,6 +255,10 @@ def _views(actor, wg: _WorkerGroup, prog: _Program) -> tuple[dict, list[str], li
             errors.append(f"{where}: local shard has shape {tuple(view.shape)}, expected "
                           f"{sh.sizes} (global {spec.shape}, box {box})")
             continue
+        freed = memory_problem(view)
+        if freed:
+            errors.append(f"{where}: local {slot.storage!r} {freed}")
+            continue
         if side == "dst" and overlaps_itself(view):
             errors.append(f"{where}: its shard in local {slot.storage!r} (shape "
                           f"{tuple(view.shape)}, strides {tuple(view.stride())}) overlaps itself "
@@ -264,6 +269,10 @@ def _views(actor, wg: _WorkerGroup, prog: _Program) -> tuple[dict, list[str], li
             scales, problem = quant.scale_view(spec, sh.name, rank, storage, wg.device.type)
             if scales is None:
                 errors.append(f"{where}: {problem}")
+                continue
+            freed = memory_problem(scales)
+            if freed:
+                errors.append(f"{where}: the local tensor of its {spec.quant!r} scales {freed}")
                 continue
             views[(side, rank, ti, quant.SCALE)] = scales
     dst_keys = [k for k in views if k[0] == "dst"]
@@ -278,6 +287,22 @@ def _views(actor, wg: _WorkerGroup, prog: _Program) -> tuple[dict, list[str], li
     token = object()
     prog.checked = (sig, dict(views), aliased, token)
     return views, errors, aliased, token
+
+
+def memory_problem(view: torch.Tensor) -> str:
+    """What is missing behind `view` ("" when its memory is all there): a tensor whose
+    storage was freed or shrunk (`untyped_storage().resize_(0)`, as FSDP frees unsharded
+    parameters) keeps its shape, but reading or writing it fails part-way through a refit."""
+    if view.numel() == 0:
+        return ""
+    last = view.storage_offset() + sum((n - 1) * st for n, st in zip(view.shape, view.stride()))
+    need = (last + 1) * view.element_size()
+    have = view.untyped_storage().nbytes()
+    if have >= need:
+        return ""
+    return (f"has no memory behind its shard: its storage holds {have} bytes, the shard needs "
+            f"{need} (freed, e.g. by untyped_storage().resize_(0) as FSDP frees unsharded "
+            f"parameters; reallocate it before the refit)")
 
 
 def _check(actor, wg: _WorkerGroup, prog: _Program

@@ -138,3 +138,44 @@ def test_specs_that_do_not_match_the_tensors_stay_a_value_error(pair):
         f = load(src, dst, 3)
         g.refit(SPECS)
         assert exact(dst, SPECS, f)
+
+
+# ------------------------------------------------------------------ freed storage
+def _free(actor, name):
+    actor.tensors[name].untyped_storage().resize_(0)
+
+
+def _raw_live(actor):
+    """Every local tensor with memory behind it, as raw bytes (a freed one cannot be read)."""
+    return {k: v.reshape(-1).view(torch.uint8).clone() for k, v in actor.tensors.items()
+            if v.untyped_storage().nbytes() > 0}
+
+
+def live(actors_):
+    return ray.get([a.__ray_call__.remote(_raw_live) for a in actors_])
+
+
+def same_live(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("side", ["dst", "src"])
+def test_freed_storage_is_refused_before_any_byte_moves(pair, side):
+    """Destination 1's (or source 1's) 'w' freed between refits, as FSDP frees unsharded
+    parameters: refused naming it, nothing written anywhere, no update() needed."""
+    src, dst = pair
+    with rr.ReshardGroup(src, dst, timeout_s=20.0) as g:
+        load(src, dst, 0)
+        g.refit(SPECS)                  # the checks of these tensors are cached now
+        f = load(src, [], 1)
+        victim = (dst if side == "dst" else src)[1]
+        ray.get(victim.__ray_call__.remote(_free, "w"))
+        before = live(dst)
+        with pytest.raises(ValueError, match=rf"(?s)refused before moving any byte.*'w' on "
+                                             rf"{side} rank 1: local 'w' has no memory behind "
+                                             rf"its shard: its storage holds 0 bytes"):
+            g.refit(SPECS)
+        assert all(same_live(a, b) for a, b in zip(before, live(dst)))
+        assert g.version == 1 and g.versions() == [1] * 4
+        f = load(src, dst, 2)           # memory back (new tensors): the next refit works
+        assert g.refit(SPECS).version == 2 and exact(dst, SPECS, f)
