@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ray_reshard.models import VLLM, Megatron, local_state, storage_shapes
-from engine_reference import megatron_reference, reference_state, vllm_mtp_reference
+from engine_reference import reference_state, vllm_mtp_reference
 from models_testutil import make_model
 
 
