@@ -58,6 +58,8 @@ class _Program:
     # The last validation that found no problem: (what the local tensors looked like, shard
     # views, aliased source keys). Reused while every local tensor keeps its memory and layout.
     checked: Any = None
+    dst_storages: tuple = ()              # local tensor names the destination shards live in
+    checked_dst: Any = None               # `checked` of the destination shards alone
 
 
 @dataclass
@@ -158,7 +160,11 @@ def install(actor, group_id: str, key, plan: Plan, transfers: Optional[list],
     names = [sh.slot.storage for sh in shards]
     names += [sh.spec.quant.scale_storage(sh.slot.storage) for sh in shards
               if sh.key[0] == "dst" and sh.spec.quant is not None]   # block FP8 scales
-    prog = _Program(plan, held, strategy, shards=shards, storages=tuple(dict.fromkeys(names)))
+    dst_names = [sh.slot.storage for sh in shards if sh.key[0] == "dst"]
+    dst_names += [sh.spec.quant.scale_storage(sh.slot.storage) for sh in shards
+                  if sh.key[0] == "dst" and sh.spec.quant is not None]
+    prog = _Program(plan, held, strategy, shards=shards, storages=tuple(dict.fromkeys(names)),
+                    dst_storages=tuple(dict.fromkeys(dst_names)))
     strat = strategies.STRATEGIES[strategy]
     if strategy == "gather_broadcast":
         prog.gb_steps = strat.install(plan, wg.endpoints, wg.bucket_bytes, wg.ep_pid, wg.pg)
@@ -215,18 +221,25 @@ def storage_signature(storage: dict, names: tuple) -> tuple:
     return tuple(sig)
 
 
-def _views(actor, wg: _WorkerGroup, prog: _Program) -> tuple[dict, list[str], list, Any]:
+def _views(actor, wg: _WorkerGroup, prog: _Program, sources: bool = True
+           ) -> tuple[dict, list[str], list, Any]:
     """(side, rank, tensor) -> shard view, every problem found (nothing is written), the
     source shards that share memory with a destination shard of this process, and a token
     naming these view objects (the same while they are reused). Validation runs in full only
-    when a local tensor changed memory or layout since the last one that passed."""
+    when a local tensor changed memory or layout since the last one that passed. With
+    `sources` False only destination shards are looked at (an overlapped refit sends the
+    sources' captured copies)."""
+    shards = prog.shards if sources else [sh for sh in prog.shards if sh.key[0] == "dst"]
+    if not shards:                    # sources captured, no destination here: nothing live
+        return {}, [], [], None
     storage = _storage(actor, wg)
-    sig = storage_signature(storage, prog.storages)
-    if prog.checked is not None and prog.checked[0] == sig:
-        return dict(prog.checked[1]), [], prog.checked[2], prog.checked[3]
+    sig = storage_signature(storage, prog.storages if sources else prog.dst_storages)
+    checked = prog.checked if sources else prog.checked_dst
+    if checked is not None and checked[0] == sig:
+        return dict(checked[1]), [], checked[2], checked[3]
     views, errors = {}, []
     plan = prog.plan
-    for sh in prog.shards:
+    for sh in shards:
         side, rank, ti = sh.key
         slot, spec = sh.slot, sh.spec
         where = f"{sh.name!r} on {side} rank {rank}"
@@ -285,7 +298,10 @@ def _views(actor, wg: _WorkerGroup, prog: _Program) -> tuple[dict, list[str], li
         return views, errors, [], None
     aliased = _aliased_sources(views)
     token = object()
-    prog.checked = (sig, dict(views), aliased, token)
+    if sources:
+        prog.checked = (sig, dict(views), aliased, token)
+    else:
+        prog.checked_dst = (sig, dict(views), aliased, token)
     return views, errors, aliased, token
 
 
@@ -305,14 +321,14 @@ def memory_problem(view: torch.Tensor) -> str:
             f"parameters; reallocate it before the refit)")
 
 
-def _check(actor, wg: _WorkerGroup, prog: _Program
+def _check(actor, wg: _WorkerGroup, prog: _Program, sources: bool = True
            ) -> tuple[dict, list[str], list, Any, Optional[dict]]:
     """`_views`, plus the fault of a user's lookup that raised (None if none): a lookup that
     returns something unusable is a problem like any other, one that raises is a fault."""
     ranks = ", ".join(f"{ep.side} rank {ep.rank}"
                       for ep in sorted(wg.endpoints, key=lambda ep: (ep.side != "src", ep.rank)))
     try:
-        return (*_views(actor, wg, prog), None)
+        return (*_views(actor, wg, prog, sources), None)
     except UserCodeFailed as e:
         return {}, [], [], None, _fault(e.__cause__, f"process {wg.pid} ({ranks}): {e}")
     except Exception as e:
@@ -380,7 +396,10 @@ def run(actor, group_id: str, key, timeout_s: float, version: int, atomic: bool 
         # the small acyclic ones checking and running allocate.
         with gc_paused():
             prog = wg.programs[key]
-            views, errors, aliased, token, fault = _check(actor, wg, prog)
+            if captured is not None and captured[0] != key:
+                raise RuntimeError(f"process {wg.pid} captured sources of another refit")
+            # Captured sources are sent from their copies: the live ones are not looked at.
+            views, errors, aliased, token, fault = _check(actor, wg, prog, captured is None)
             t_checked = time.perf_counter()
             clock = {"check": t_checked - t0}
             if vote is not None:
@@ -394,8 +413,6 @@ def run(actor, group_id: str, key, timeout_s: float, version: int, atomic: bool 
                 raise ValueError("; ".join(errors))
             extra = aliased_bytes = 0
             if captured is not None:          # an overlapped refit: send what capture() copied
-                if captured[0] != key:
-                    raise RuntimeError(f"process {wg.pid} captured sources of another refit")
                 views.update(captured[1])
                 extra = sum(v.numel() * v.element_size() for v in captured[1].values())
                 snapshot = True

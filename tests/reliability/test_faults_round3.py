@@ -37,6 +37,8 @@ class Trainer:
     def __init__(self):
         self.tensors = {}
         self.fail = False
+        self.lookups = 0
+        self.pause = (0, 0.0)
 
     def set(self, tensors):
         self.tensors = {k: v.clone() for k, v in tensors.items()}
@@ -47,7 +49,14 @@ class Trainer:
     def set_fail(self, fail):
         self.fail = fail
 
+    def pause_lookup(self, nth, seconds):
+        """The nth lookup from now sleeps `seconds` first."""
+        self.pause = (self.lookups + nth, seconds)
+
     def reshard_tensors(self):
+        self.lookups += 1
+        if self.pause[0] == self.lookups:
+            time.sleep(self.pause[1])
         if self.fail:
             raise DeviceLost("CUDA error: device lost while reading parameters")
         return self.tensors
@@ -179,3 +188,27 @@ def test_freed_storage_is_refused_before_any_byte_moves(pair, side):
         assert g.version == 1 and g.versions() == [1] * 4
         f = load(src, dst, 2)           # memory back (new tensors): the next refit works
         assert g.refit(SPECS).version == 2 and exact(dst, SPECS, f)
+
+
+# ------------------------------------------------------------------ after capture
+def _trainer_step(actor):
+    """What a trainer may do once the sources are captured: drop a tensor, change another."""
+    del actor.tensors["w"]
+    actor.tensors["b"].add_(100.0)
+
+
+def test_refit_async_sends_the_captured_sources_whatever_the_trainer_does_next(pair):
+    src, dst = pair
+    with rr.ReshardGroup(src, dst, timeout_s=20.0) as g:
+        load(src, dst, 0)
+        g.refit(SPECS)
+        f = load(src, [], 1)
+        # Source 0's next lookup after the capture (if any) waits until the step below is done.
+        ray.get(src[0].pause_lookup.remote(2, 3.0))
+        pending = g.refit_async(SPECS)
+        ray.get(src[0].__ray_call__.remote(_trainer_step))
+        res = pending.wait()
+        assert res.version == 2 and exact(dst, SPECS, f)
+        assert g.versions() == [2] * 4
+        f = load(src, dst, 2)           # the trainer's tensors back: plain refits go on
+        assert g.refit(SPECS).version == 3 and exact(dst, SPECS, f)
