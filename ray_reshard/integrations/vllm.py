@@ -172,7 +172,10 @@ class RayReshardWeightTransferEngine(WeightTransferEngine[RayReshardInitInfo, Ra
         self.exposed: dict[str, torch.Tensor] = {}      # parameter name -> tensor (in place)
         self.version = 0
         self.rederived: list[str] = []
+        self.reprocessed: list[str] = []
         self._layerwise = False
+        self._fallback_modules: set[str] = set()
+        self._expert_calls: Optional[dict] = None
 
     def _quantized(self) -> bool:
         return getattr(self.model_config, "quantization", None) is not None
@@ -218,6 +221,8 @@ class RayReshardWeightTransferEngine(WeightTransferEngine[RayReshardInitInfo, Ra
                              "why": why}
                 if why is None:
                     exposed[name] = writable(p.data)
+            if first is not None:
+                self._fallback_modules.add(mod_name)
         self.exposed = exposed
         return out
 
@@ -243,6 +248,7 @@ class RayReshardWeightTransferEngine(WeightTransferEngine[RayReshardInitInfo, Ra
     def start_weight_update(self) -> None:
         self._layerwise = bool(self.staging)
         if self._layerwise:
+            self._expert_calls = track_expert_processing(self.model, self._fallback_modules)
             self.begin_reload()
 
     def update_weights(self, update_info: dict) -> None:
@@ -259,6 +265,8 @@ class RayReshardWeightTransferEngine(WeightTransferEngine[RayReshardInitInfo, Ra
         if self._layerwise:
             self.end_reload()
             self._layerwise = False
+            self.reprocessed = finish_expert_processing(self.model, self._expert_calls or {})
+            self._expert_calls = None
         self.rederived = rederive(self.model, getattr(self.model_config, "dtype", torch.bfloat16))
 
     def shutdown(self) -> None:
@@ -267,6 +275,42 @@ class RayReshardWeightTransferEngine(WeightTransferEngine[RayReshardInitInfo, Ra
             ent = entry(self.key)
             if ent.get("engine") is self:
                 del ent["engine"]
+
+
+def track_expert_processing(model: torch.nn.Module, modules: set) -> dict:
+    """Before a reload: watch whether the MoE experts of `modules` re-run their own weight
+    processing. vLLM 0.32 skips it on weight updates once the MoE kernel exists
+    (``UnquantizedFusedMoEMethod._setup_kernel``), so its CPU experts would compute with
+    checkpoint-layout bytes as if they were prepacked. Returns module name -> [experts, calls]."""
+    calls = {}
+    for name, module in model.named_modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if name not in modules or experts is None or \
+                "process_weights_after_loading" not in type(experts).__dict__:
+            continue
+        record = [experts, 0]
+        original = type(experts).process_weights_after_loading
+
+        def watched(layer, _record=record, _original=original):
+            _record[1] += 1
+            return _original(_record[0], layer)
+        experts.process_weights_after_loading = watched
+        calls[name] = record
+    return calls
+
+
+def finish_expert_processing(model: torch.nn.Module, calls: dict) -> list[str]:
+    """After a reload: run the experts' weight processing where the reload skipped it (see
+    `track_expert_processing`); stop watching. Returns the modules it ran on."""
+    done = []
+    modules = dict(model.named_modules())
+    for name, (experts, n) in calls.items():
+        del experts.process_weights_after_loading
+        if n == 0:
+            experts.process_weights_after_loading(modules[name])
+            done.append(name)
+    return done
 
 
 def rederive(model: torch.nn.Module, dtype: torch.dtype) -> list[str]:

