@@ -52,6 +52,12 @@ def _check_reachable(address: str, timeout_s: float) -> None:
             f"cluster") from None
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _init_within(address: str, timeout_s: float) -> None:
     """`ray.init(address)`, giving up after about `timeout_s` when what answers there is not a
     Ray cluster (Ray itself retries for about 20 s; its GCS wait can be shortened by setting
@@ -106,7 +112,8 @@ def connect(address: Optional[str] = None, *, nodes: int = 2,
     cluster = None
     try:
         cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 1, "resources": {"node0": 100}, "include_dashboard": False})
+            "num_cpus": 1, "resources": {"node0": 100}, "include_dashboard": False,
+            "dashboard_port": _free_port()})     # its API server starts even so
         for i in range(1, nodes):
             cluster.add_node(num_cpus=1, resources={f"node{i}": 100})
         ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False,
