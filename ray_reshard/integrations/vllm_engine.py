@@ -55,11 +55,13 @@ def _ready(llm) -> bool:
     return True
 
 
-def _generate(llm, prompts: list, max_tokens: int) -> list[dict]:
+def _generate(llm, prompts: list, max_tokens: int, temperature: float = 0.0,
+              seed: Optional[int] = None) -> list[dict]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, logprobs=0,
+                            ignore_eos=True, seed=seed)
     outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                         use_tqdm=False)
     res = []
@@ -74,6 +76,13 @@ def generate(engine, prompts: Iterable[Sequence[int]], max_tokens: int = 8) -> l
     """Greedy generation from token-id prompts: per prompt the new token ids and the logprob
     of each."""
     return ray.get(engine.__ray_call__.remote(_generate, [list(p) for p in prompts], max_tokens))
+
+
+def sample(engine, prompts: Iterable[Sequence[int]], max_tokens: int = 8, seed: int = 0,
+           temperature: float = 1.0) -> list[dict]:
+    """Sampled generation (reproducible from `seed`), as `generate` returns it."""
+    return ray.get(engine.__ray_call__.remote(_generate, [list(p) for p in prompts], max_tokens,
+                                              temperature, seed))
 
 
 def _load_full(worker, names: list, tensors: list) -> int:

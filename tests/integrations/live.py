@@ -78,8 +78,7 @@ def assert_same_generation(got, want, atol=2e-3):
             (g["logprobs"], w["logprobs"])
 
 
-@ray.remote(num_cpus=0, max_concurrency=4)
-class ShardTrainer:
+class TrainerRank:
     """A trainer rank holding its shards (dict of storages); like a Ray Train worker it takes
     calls while its own send_weights waits."""
 
@@ -91,9 +90,10 @@ class ShardTrainer:
         from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
 
         from ray_reshard.integrations.vllm import RayReshardTrainerEngine, RayReshardTrainerInitInfo
+        tensors = getattr(self, "tensors", None) or (lambda: self.storages)
         info = RayReshardTrainerInitInfo(
             rank=self.rank, config=config, train=train, infer=infer, engines=engines,
-            src_actors=src_actors, tensors=lambda: self.storages, dtype=dtype,
+            src_actors=src_actors, tensors=tensors, dtype=dtype,
             train_dtype=torch.float32, key=key, timeout_s=120, atomic=atomic)
         self.engine = RayReshardTrainerEngine.trainer_init(
             info, client=RayVLLMWeightSyncClient(list(engines)))
@@ -112,4 +112,49 @@ class ShardTrainer:
             self.engine.shutdown()
 
 
+ShardTrainer = ray.remote(num_cpus=0, max_concurrency=4)(TrainerRank)
+
+
+class FSDPRank(TrainerRank):
+    """A trainer rank of a torch FSDP2 job (gloo): a transformers model loaded from `path`,
+    every decoder layer and the root sharded with fully_shard; its shards are what
+    fsdp_local_tensors hands to the refit."""
+
+    def __init__(self, rank, world, init_method, path):
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from transformers import AutoModelForCausalLM
+
+        from ray_reshard.models import fsdp_local_tensors
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        self.model = model
+        self.optimizer = torch.optim.Adam(model.parameters(), lr=2e-2)
+        super().__init__(rank, None)
+        self.tensors = lambda: fsdp_local_tensors(self.model)
+
+    def step(self, seed):
+        """One optimizer step on a next-token loss over a batch drawn from `seed` (each rank its
+        own batch, as data parallelism does)."""
+        g = torch.Generator().manual_seed(seed * 100 + self.rank)
+        ids = torch.randint(0, self.model.config.vocab_size, (2, 16), generator=g)
+        loss = self.model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return float(loss)
+
+    def full_state(self):
+        """The full weights (a collective: call on every rank)."""
+        return {n: p.full_tensor().detach().clone() for n, p in self.model.named_parameters()}
+
+
+FSDPTrainer = ray.remote(num_cpus=0, max_concurrency=4)(FSDPRank)
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

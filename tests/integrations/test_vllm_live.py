@@ -10,10 +10,10 @@ import pytest
 import ray
 import torch
 
-from live import (MAX_TOKENS, PROMPTS, QWEN3, QWEN3_MOE, ShardTrainer, assert_same_generation,
-                  checkpoint_state, perturbed, reference, require_vllm)
+from live import (MAX_TOKENS, PROMPTS, QWEN3, QWEN3_MOE, FSDPTrainer, ShardTrainer,
+                  assert_same_generation, checkpoint_state, perturbed, reference, require_vllm)
 
-from ray_reshard.models import VLLM, Megatron, local_state
+from ray_reshard.models import FSDP, VLLM, Megatron, local_state
 
 pytestmark = pytest.mark.vllm_live
 
@@ -114,3 +114,29 @@ def test_refused_refit_leaves_the_engine_serving_as_before(live):
     ray.get([t.close.remote() for t in trainers])
     for t in trainers:
         ray.kill(t)
+
+
+@pytest.mark.parametrize("live", [CASES[1]], indirect=True, ids=["qwen3-tp2"])
+def test_fsdp2_trainers_refit_a_live_engine(live):
+    """torch FSDP2 trainers (gloo, Hugging Face names) take an optimizer step and refit the
+    engine from their shards; it then generates as transformers does on their full_tensor()."""
+    import socket
+
+    from ray_reshard.integrations.vllm_engine import generate
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    world = 2
+    trainers = [FSDPTrainer.remote(r, world, f"tcp://127.0.0.1:{port}", live["path"])
+                for r in range(world)]
+    losses = ray.get([t.step.remote(1) for t in trainers])
+    assert all(loss > 0 for loss in losses)
+    full = ray.get([t.full_state.remote() for t in trainers])[0]
+    assert not torch.equal(full["model.norm.weight"], live["base"]["model.norm.weight"])
+    ray.get([t.init.remote(trainers, [live["engine"]], live["cfg"], FSDP(shard=world),
+                           live["infer"], torch.float32, "fsdp") for t in trainers])
+    assert ray.get([t.send.remote() for t in trainers])[0]["network_bytes"] > 0
+    assert_same_generation(generate(live["engine"], PROMPTS, MAX_TOKENS),
+                           reference(live["path"], full))
+    ray.get([t.close.remote() for t in trainers])

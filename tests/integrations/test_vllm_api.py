@@ -1,14 +1,18 @@
-"""The ray_reshard backend of vLLM's weight-transfer API, end to end on a Ray cluster.
+"""The ray_reshard backend against vLLM's weight-transfer API on a Ray cluster, for what the CPU
+build cannot run (GPU-only MoE backends, MLA): the installed vLLM (0.32's CPU build here;
+test_vllm033.py runs this file again against vLLM 0.33's modules).
 
-Real: vLLM 0.33's weight_transfer base classes, factories, WeightTransferConfig and
-TrainerInitInfo; our engines built through those factories; ReshardGroup over real actors.
-Stand-ins for what cannot run here (vLLM's model classes and engine need its CUDA build): the
-worker model is an nn.Module with the parameter names and shapes of the recipe, allocated under
-torch.inference_mode() as vLLM allocates; its load_weights records what it is given; the client
-fans the four control calls out to the workers as vLLM's engine client does; an MLA module
-derives W_UK_T from kv_b_proj in process_weights_after_loading; one MoE layer reports the
-FlashInfer CUTLASS backend (which rearranges experts), so its experts take the fallback.
+Real: vLLM's weight_transfer base classes, factories, WeightTransferConfig, TrainerInitInfo and
+its Ray weight-sync client; our engines built through those factories; ReshardGroup, trainer
+actors and WorkerView actors. Stand-ins: the engine actor (an object with vLLM's four weight-sync
+methods and ``collective_rpc``, running two workers in its process, as an engine with the
+multiprocessing executor reaches them), and the worker model: an nn.Module with the parameter
+names and shapes of the recipe, allocated under torch.inference_mode() as vLLM allocates, whose
+load_weights records what it is given; an MLA module derives W_UK_T from kv_b_proj in
+process_weights_after_loading; one MoE layer reports the FlashInfer CUTLASS backend (which
+rearranges experts), so its experts take the fallback.
 """
+import os
 import sys
 import types
 
@@ -17,7 +21,9 @@ import ray
 import ray.cloudpickle
 import torch
 
-pytest.importorskip("vllm.distributed.weight_transfer")
+from live import require_vllm
+
+require_vllm()
 
 from ray_reshard.models import (VLLM, Megatron, empty_storage, hf_parameter_shapes,  # noqa: E402
                                 local_state, padding_mask)
@@ -83,7 +89,6 @@ def build_model(rank: int):
     return root
 
 
-@ray.remote(num_cpus=0)
 class Worker:
     """A vLLM worker's part in the protocol: the engine built by vLLM's factory."""
 
@@ -93,51 +98,56 @@ class Worker:
 
         from ray_reshard.integrations.vllm import RayReshardWeightTransferEngine, register
         register()
+        self.rank = rank
         self.model = build_model(rank)
         vllm_config = types.SimpleNamespace(
-            parallel_config=types.SimpleNamespace(),
+            parallel_config=types.SimpleNamespace(tensor_parallel_size=INFER.tp),
             model_config=types.SimpleNamespace(dtype=torch.bfloat16, quantization=None))
-        self.engine = WeightTransferEngineFactory.create_engine(
+        self.weight_transfer_engine = WeightTransferEngineFactory.create_engine(
             WeightTransferConfig(backend="ray_reshard"), vllm_config, torch.device("cpu"),
             self.model)
-        assert type(self.engine) is RayReshardWeightTransferEngine
+        assert type(self.weight_transfer_engine) is RayReshardWeightTransferEngine
         self.reloads = []       # vLLM's layerwise reload needs its full install: recorded
-        self.engine.begin_reload = lambda: self.reloads.append("begin")
-        self.engine.end_reload = lambda: self.reloads.append("end")
-
-    def call(self, method, *args):
-        eng = self.engine
-        if method == "init_weight_transfer_engine":
-            return eng.init_transfer_engine(eng.parse_init_info(args[0]))
-        return getattr(eng, method)(*args)
-
-    def state(self):
-        params = {n: p.data.clone() for n, p in self.model.named_parameters()}
-        inference = all(p.is_inference() for p in self.model.parameters())
-        return params, dict(self.model.loaded), list(self.engine.rederived), self.reloads, \
-            self.engine.version, inference
+        self.weight_transfer_engine.begin_reload = lambda: self.reloads.append("begin")
+        self.weight_transfer_engine.end_reload = lambda: self.reloads.append("end")
 
 
-class Client:
-    """The four control calls, fanned out to every worker (what vLLM's engine client does)."""
+@ray.remote(num_cpus=0)
+class Engine:
+    """An engine actor as vLLM's `LLM` offers it: the four weight-sync methods (each a
+    collective_rpc over the workers) and collective_rpc; both workers live in this process."""
 
-    def __init__(self, workers):
-        self.workers = workers
+    def __init__(self):
+        self.workers = [Worker(r) for r in range(INFER.world)]
 
-    def _all(self, method, *args):
-        ray.get([w.call.remote(method, *args) for w in self.workers])
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if isinstance(method, str):
+            return [getattr(w.weight_transfer_engine, method)(*args, **kwargs)
+                    for w in self.workers]
+        return [method(w, *args, **kwargs) for w in self.workers]
 
-    def init_weight_transfer_engine(self, init_info):
-        self._all("init_weight_transfer_engine", init_info)
+    def init_weight_transfer_engine(self, request):
+        for w in self.workers:
+            eng = w.weight_transfer_engine
+            eng.init_transfer_engine(eng.parse_init_info(request.init_info))
 
     def start_weight_update(self):
-        self._all("start_weight_update")
+        self.collective_rpc("start_weight_update")
 
-    def update_weights(self, update_info):
-        self._all("update_weights", update_info)
+    def update_weights(self, request):
+        self.collective_rpc("update_weights", args=(request.update_info,))
 
-    def finish_weight_update(self, weight_version=None):
-        self._all("finish_weight_update")
+    def finish_weight_update(self):
+        self.collective_rpc("finish_weight_update")
+
+    def state(self, r):
+        w = self.workers[r]
+        params = {n: p.data.clone() for n, p in w.model.named_parameters()}
+        inference = all(p.is_inference() for p in w.model.parameters())
+        eng = w.weight_transfer_engine
+        return params, dict(w.model.loaded), list(eng.rederived), w.reloads, eng.version, \
+            inference, os.getpid()
 
 
 @ray.remote(num_cpus=0, max_concurrency=4)
@@ -147,17 +157,20 @@ class Trainer:
     def __init__(self, rank, storages):
         self.rank, self.storages, self.engine = rank, storages, None
 
-    def init(self, src_actors, dst_actors, client):
-        from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+    def init(self, src_actors, engines):
+        from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
 
-        from ray_reshard.integrations.vllm import RayReshardTrainerInitInfo, register
+        from ray_reshard.integrations.vllm import (RayReshardTrainerEngine,
+                                                   RayReshardTrainerInitInfo, register)
         register()
         info = RayReshardTrainerInitInfo(
-            rank=self.rank, config=CONFIG, train=TRAIN, infer=INFER, dst_actors=dst_actors,
-            src_actors=src_actors, tensors=lambda: self.storages, dtype=torch.bfloat16,
-            train_dtype=torch.float32, timeout_s=120)
-        self.engine = WeightTransferTrainerFactory.trainer_init(info, client=client)
-        return getattr(self.engine, "fallback", None)
+            rank=self.rank, config=CONFIG, train=TRAIN, infer=INFER, src_actors=src_actors,
+            tensors=lambda: self.storages, dtype=torch.bfloat16, train_dtype=torch.float32,
+            timeout_s=120)
+        client = RayVLLMWeightSyncClient(list(engines))
+        self.engine = RayReshardTrainerEngine.trainer_init(info, client=client)
+        views = [ray.get(v.where.remote())[1] for v in self.engine.views]
+        return getattr(self.engine, "fallback", None), views
 
     def send(self):
         self.engine.send_weights()
@@ -170,18 +183,17 @@ class Trainer:
 
 
 def test_vllm_backend_end_to_end(cluster):
-    from vllm.distributed.weight_transfer import VLLMWeightSyncClient
-
     g = torch.Generator().manual_seed(0)
     sd = {n: torch.randn(s, generator=g) for n, s in
           hf_parameter_shapes(CONFIG, hf_experts="split").items()}
-    workers = [Worker.remote(r) for r in range(INFER.world)]
-    client = Client(workers)
-    assert isinstance(client, VLLMWeightSyncClient)
+    engine = Engine.remote()
     trainers = [Trainer.remote(r, local_state(CONFIG, TRAIN, "src", r, sd, dtype=torch.float32,
                                               hf_experts="split"))
                 for r in range(TRAIN.world)]
-    fallback = ray.get([t.init.remote(trainers, workers, client) for t in trainers])[0]
+    fallback, view_pids = ray.get([t.init.remote(trainers, [engine]) for t in trainers])[0]
+    # the workers are not Ray actors of their own: one WorkerView each, in its own process
+    engine_pid = ray.get(engine.state.remote(0))[-1]
+    assert len(view_pids) == INFER.world and engine_pid not in view_pids
     # the experts of the FlashInfer-CUTLASS layer go whole to staging, each worker its own
     # (EP 2: worker r holds experts 2r, 2r+1)
     assert fallback == {r: sorted(f"model.layers.{FALLBACK_LAYER}.mlp.experts.{e}.{p}_proj.weight"
@@ -190,8 +202,8 @@ def test_vllm_backend_end_to_end(cluster):
     versions = ray.get([t.send.remote() for t in trainers])
     assert versions[0] == 1 and versions[1] is None
 
-    for r, w in enumerate(workers):
-        params, loaded, rederived, reloads, version, inference = ray.get(w.state.remote())
+    for r in range(INFER.world):
+        params, loaded, rederived, reloads, version, inference, _ = ray.get(engine.state.remote(r))
         assert inference and version == 1 and reloads == ["begin", "end"]
         want = local_state(CONFIG, INFER, "dst", r, sd, dtype=torch.bfloat16, hf_experts="split")
         pad = padding_mask(CONFIG, INFER, r)
@@ -215,7 +227,7 @@ def test_vllm_backend_end_to_end(cluster):
     # a second round with new trainer weights
     ray.get([t.bump.remote(5 + i) for i, t in enumerate(trainers)])
     assert ray.get([t.send.remote() for t in trainers])[0] == 2
-    params, *_ = ray.get(workers[0].state.remote())
+    params, *_ = ray.get(engine.state.remote(0))
     assert not torch.equal(params["model.layers.0.self_attn.kv_b_proj.weight"],
                            local_state(CONFIG, INFER, "dst", 0, sd, dtype=torch.bfloat16,
                                        hf_experts="split")["model.layers.0.self_attn.kv_b_proj.weight"])
@@ -225,12 +237,15 @@ def test_plan_specs_refuses_mismatched_workers():
     from ray_reshard.integrations.vllm import plan_specs
     from ray_reshard.models import storage_shapes
 
-    def describe(r, drop=None, reshape=None):
-        out = {n: (tuple(s), "bfloat16", None) for n, s in storage_shapes(CONFIG, INFER, r).items()}
+    def describe(r, drop=None, reshape=None, released=None):
+        out = {n: {"shape": tuple(s), "dtype": "bfloat16", "why": None}
+               for n, s in storage_shapes(CONFIG, INFER, r).items()}
         if drop:
             del out[drop]
         if reshape:
-            out[reshape] = ((1,), "bfloat16", None)
+            out[reshape] = {"shape": (1,), "dtype": "bfloat16", "why": None}
+        if released:
+            out[released] = {"shape": (0,), "dtype": "bfloat16", "why": "released after loading"}
         return out
 
     name = "model.layers.0.self_attn.kv_b_proj.weight"
@@ -238,8 +253,15 @@ def test_plan_specs_refuses_mismatched_workers():
         plan_specs(CONFIG, TRAIN, INFER, [describe(0), describe(1, drop=name)])
     with pytest.raises(ValueError, match="vLLM worker 0: .* has shape \\(1,\\)"):
         plan_specs(CONFIG, TRAIN, INFER, [describe(0, reshape=name), describe(1)])
+    with pytest.raises(ValueError, match="worker 1 runs tensor_parallel_size=1"):
+        plan_specs(CONFIG, TRAIN, INFER, [describe(0), describe(1)],
+                   parallel=[{"tp": 2, "pp": 1, "dp": 1}, {"tp": 1, "pp": 1, "dp": 1}])
     specs, staging = plan_specs(CONFIG, TRAIN, INFER, [describe(0), describe(1)])
     assert staging == [{}, {}]
+    # a parameter the platform released (shape (0,)) is reloaded from its whole HF tensor, on
+    # that worker only, whatever its reported shape
+    specs, staging = plan_specs(CONFIG, TRAIN, INFER, [describe(0), describe(1, released=name)])
+    assert staging[0] == {} and set(staging[1]) == {name}
 
 
 def test_inference_tensors_are_written_through_aliases():
@@ -265,8 +287,8 @@ def test_block_fp8_workers_take_fp8_weights_and_scales_as_the_checkpoint_holds_t
 
     fp8 = VLLM(tp=2, ep=2, quantization="fp8", weight_block_size=(4, 4))
     served = {"method": "fp8", "block": (4, 4), "serialized": True}
-    described = [{n: (tuple(s), "float8_e4m3fn", "quantized model") for n, s in
-                  storage_shapes(CONFIG, fp8, r).items()} for r in range(fp8.world)]
+    described = [{n: {"shape": tuple(s), "dtype": "float8_e4m3fn", "why": "quantized model"}
+                  for n, s in storage_shapes(CONFIG, fp8, r).items()} for r in range(fp8.world)]
     with pytest.raises(ValueError, match="vLLM worker 0 serves a block-FP8 checkpoint"):
         plan_specs(CONFIG, TRAIN, INFER, described, quantization=[served] * 2)
     with pytest.raises(ValueError, match="weight_block_size=\\(8, 8\\)"):
