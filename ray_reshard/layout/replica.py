@@ -3,7 +3,8 @@
 A new inference engine (or one that restarted) can take the current version from a replica of
 the same weights instead of from the trainers: the replica's ranks act as the sources of a
 refit whose destinations are the new ranks, so adding engines does not touch the trainers.
-`replica_specs` turns a refit's specs into such a refit's specs.
+`replica_specs` turns a refit's specs into such a refit's specs; `ReshardGroup.join` runs
+that refit and copies only from a replica that holds the group's version.
 """
 from __future__ import annotations
 

@@ -120,6 +120,10 @@ class ReshardGroup:
         self._closed = False
         self._version = 0
         self._infos: dict = {}          # actor id -> where it runs (kept across update())
+        # Destination actors that do not hold the group's version, by actor id -> why (a
+        # refit failed part-way in them, or update() added them and no refit reached them
+        # yet); kept across update(), cleared by the next refit that completes.
+        self._unsure: dict = {}
         self._helpers: dict = {}
         self.members: Optional[Members] = None
         self.group_id = None
@@ -198,8 +202,15 @@ class ReshardGroup:
             # Each actor runs its calls in order: the old group's teardown is queued before the
             # new set-up, so there is no need to wait for it.
             self._leave(wait=False)
+            had = {actor_key(a) for a in self.dst_actors}
             self._bind(self.src_actors if src_actors is None else src_actors,
                        self.dst_actors if dst_actors is None else dst_actors)
+            if self._version:
+                for a in self.dst_actors:
+                    if actor_key(a) not in had:
+                        self._unsure[actor_key(a)] = (
+                            f"update() added it after v{self._version} and no refit has "
+                            f"reached it since")
             live = {actor_key(a) for a in self._procs}
             self._infos = {k: v for k, v in self._infos.items() if k in live}
             self._setup()
@@ -414,6 +425,11 @@ class ReshardGroup:
             per = self._collect(running["refs"], running["left"])
         except RefitError:
             self._discard_all()
+            if not running["atomic"]:           # destinations may hold a mix of versions
+                for a in self.dst_actors:
+                    self._unsure.setdefault(actor_key(a), (
+                        f"refit v{running['version']} failed part-way (not atomic): it may "
+                        f"hold a mix of v{self._version} and v{running['version']}"))
             raise
         version, p = running["version"], running["plan"]
         if any("refused" in st for st in per):
@@ -423,6 +439,8 @@ class ReshardGroup:
             result_warnings = self._commit(version, running["timeout"])
         else:                  # every process finished: each takes the version at its next call
             self._version, result_warnings = version, []
+        for a in self.dst_actors:
+            self._unsure.pop(actor_key(a), None)
         seconds = time.perf_counter() - running["t0"]
         moved = {"network": 0, "domain": 0, "local": 0}
         for st in per:
@@ -635,6 +653,64 @@ class ReshardGroup:
     def version(self) -> int:
         """Version of the last refit that completed on every rank."""
         return self._version
+
+    def stale_destinations(self) -> dict:
+        """Destination ranks that may not hold the group's version -> why: a refit failed
+        part-way in them (not atomic), or update() added them and no refit reached them yet.
+        Empty after a refit that completed."""
+        out = {}
+        for r, a in enumerate(self.dst_actors):
+            why = self._unsure.get(actor_key(a))
+            if why is not None:
+                out[r] = why
+        return out
+
+    def join(self, specs: Mapping[str, TensorSpec], which: Mapping[Any, int],
+             new_actors: Sequence[Any], *, dst=None, allow_stale: bool = False,
+             atomic: bool = False, timeout_s: Optional[float] = None) -> RefitResult:
+        """Fill `new_actors` from one replica of this group's destinations (see
+        `ray_reshard.replica_specs` for `which` and `dst`), without the sources; returns the
+        copy's RefitResult, whose `version` is the version the new actors now hold.
+
+        Copies only from a replica at the group's version: one with a rank that may hold
+        another (see `stale_destinations`) is refused with a RefitError naming those ranks,
+        unless `allow_stale` (the result then carries a warning and version -1: unknown).
+        """
+        from ..layout.replica import replica_specs
+        with self._lock:
+            self._settle()
+            self._check_usable()
+            join_specs, ranks = replica_specs(specs, which, dst)
+            if len(new_actors) < max(max(s.dst.mesh.ranks) for s in join_specs.values()) + 1:
+                raise ValueError(f"the copy's destination layouts need "
+                                 f"{max(max(s.dst.mesh.ranks) for s in join_specs.values()) + 1}"
+                                 f" new actors, got {len(new_actors)}")
+            stale = {r: why for r, why in self.stale_destinations().items() if r in ranks}
+            held = self._call_all(worker.version, self.group_id, self._version,
+                                  actors=[self.dst_actors[r] for r in ranks])
+            for r, v in zip(ranks, held):
+                if v != self._version and r not in stale:
+                    stale[r] = f"it holds v{v}, the group v{self._version}"
+            warns = []
+            if stale:
+                text = "; ".join(f"dst rank {r}: {why}" for r, why in sorted(stale.items()))
+                if not allow_stale:
+                    raise RefitError(
+                        f"replica {dict(which)} does not hold the group's version "
+                        f"v{self._version} ({text}): copy from another replica, refit first, "
+                        f"or pass allow_stale=True", [("dst", r) for r in sorted(stale)])
+                warns.append(f"copied from a replica that may not hold v{self._version}: "
+                             f"{text}")
+            with ReshardGroup([self.dst_actors[r] for r in ranks], list(new_actors),
+                              backend=self._backend_arg, tensors=self._tensors_fn,
+                              bucket_bytes=self.bucket_bytes, timeout_s=self.timeout_s,
+                              setup_timeout_s=self.setup_timeout_s) as copier:
+                res = copier.refit(join_specs, atomic=atomic, timeout_s=timeout_s)
+            res.version = -1 if stale else self._version
+            res.warnings = list(res.warnings) + warns
+            for w in warns:
+                warnings.warn(w, RuntimeWarning, stacklevel=2)
+            return res
 
     def versions(self) -> list[int]:
         """The version each process reports holding."""

@@ -212,3 +212,70 @@ def test_refit_async_sends_the_captured_sources_whatever_the_trainer_does_next(p
         assert g.versions() == [2] * 4
         f = load(src, dst, 2)           # the trainer's tensors back: plain refits go on
         assert g.refit(SPECS).version == 3 and exact(dst, SPECS, f)
+
+
+# ------------------------------------------------------------------ joining from a replica
+def _fail_after_run(actor):
+    """This process's next run writes everything, then fails (its refit fails part-way)."""
+    from ray_reshard.runtime import executor
+
+    real = executor.run_program
+
+    def run_then_fail(*args, **kwargs):
+        executor.run_program = real
+        real(*args, **kwargs)
+        raise RuntimeError("failed after its bytes moved")
+    executor.run_program = run_then_fail
+
+
+def replicated_specs():
+    train = L([0, 1], Shard(0))
+    infer = L([[0, 1], [2, 3]], Replicate(), Shard(1), names=("dp", "tp"))
+    return {"w": rr.TensorSpec((16, 8), torch.float32, train, infer)}
+
+
+def test_join_copies_only_from_a_replica_at_the_groups_version(pair):
+    src = pair[0]
+    engines, new, spare = trainers(4, 1), trainers(2, 1), trainers(1, 1)[0]
+    specs = replicated_specs()
+    with rr.ReshardGroup(src, engines, timeout_s=20.0) as g:
+        load(src, engines, 1, specs)
+        g.refit(specs)
+        assert g.stale_destinations() == {}
+        # Engine 2 (replica 1) replaced: the fresh actor holds no refit yet.
+        ray.get(spare.set.remote({"w": torch.zeros(16, 4)}))
+        g.update(dst_actors=engines[:2] + [spare, engines[3]])
+        assert list(g.stale_destinations()) == [2]
+        load([], new, 0, specs)
+        with pytest.raises(rr.RefitError, match=r"replica \{'dp': 1\} does not hold the "
+                                                r"group's version v1 \(dst rank 2: update\(\) "
+                                                r"added it") as e:
+            g.join(specs, {"dp": 1}, new)
+        assert e.value.failed_ranks == (("dst", 2),)
+        # A refit that fails part-way (not atomic): every destination may hold a mix.
+        engines = g.dst_actors
+        f2 = load(src, [], 2, specs)
+        ray.get(engines[3].__ray_call__.remote(_fail_after_run))
+        with pytest.raises(rr.RefitError):
+            g.refit(specs)
+        g.update()
+        assert sorted(g.stale_destinations()) == [0, 1, 2, 3]
+        with pytest.raises(rr.RefitError, match=r"v2 failed part-way") as e:
+            g.join(specs, {"dp": 0}, new)
+        assert e.value.failed_ranks == (("dst", 0), ("dst", 1))
+        with pytest.warns(RuntimeWarning, match="may not hold v1"):
+            res = g.join(specs, {"dp": 0}, new, allow_stale=True)
+        assert res.version == -1 and res.warnings
+        # A refit that completes makes every replica a good source again.
+        g.refit(specs)
+        assert g.stale_destinations() == {}
+        load([], new, 0, specs)
+        res = g.join(specs, {"dp": 1}, new)
+        assert res.version == 2 and exact(new, replicated_specs_mirror(specs), f2)
+    for a in engines + new:
+        ray.kill(a)
+
+
+def replicated_specs_mirror(specs):
+    """What the new actors hold after a mirror join: replica 1's layout over ranks 0, 1."""
+    return {n: rr.TensorSpec(s.shape, s.dtype, s.src, L([0, 1], Shard(1))) for n, s in specs.items()}
