@@ -13,7 +13,9 @@ On a local two-node Ray cluster (4 source actors on node A, 4 destination actors
 2. refit several other layouts, sizes and tensor counts, and print the measured median of
    `--repeats` refits and their range next to the simulator's prediction for them with those
    constants (the plans are the ones the group runs; the simulator replays their schedules);
-   a prediction more than 25% off the measured median is marked MISS.
+   a prediction more than 25% off the measured median is marked MISS;
+3. repeat 1-2 `--runs` times (3 by default) and summarize each case's predicted / measured by
+   its median and range over the runs: a median more than 25% off is a MISS.
 
 Every figure, constants included, is a median of `--repeats` runs (3 by default) after a
 warm-up, so a neighbour's burst on a shared machine moves the figures less than a best-of or a
@@ -120,131 +122,161 @@ def cases(mb: int):
     ]
 
 
+def calibrate_once(args, src, dst, near) -> dict:
+    """Measure the constants, then refit every case and predict it: one calibration run."""
+    bucket = args.bucket_mb << 20
+    tp4 = rr.Layout(_mesh1(range(N)), (rr.Shard(0),))
+    tp4c = rr.Layout(_mesh1(range(N)), (rr.Shard(1),))
+    # --- constants: each the median of 3x as many runs as the cases (cheap)
+    prim = 3 * args.repeats
+    cores = os.cpu_count() or 1
+    probe = 64 << 20
+    with rr.ReshardGroup(src[:1], dst[:1]) as g1:
+        one = statistics.median(g1.raw_bandwidth(probe) for _ in range(prim)) * 1e9
+    with rr.ReshardGroup(src, dst, bucket_bytes=bucket) as g:
+        fabric = statistics.median(g.raw_bandwidth(probe) for _ in range(prim)) * 1e9
+        tiny = _specs(1, N, 4, tp4, tp4)                # one item per rank, one round
+        _fill(src, tiny, "src"), _fill(dst, tiny, "dst")
+        t_round = _time_refits(g, tiny, prim * 2)
+        many = _specs(400, 16, 16, tp4, tp4)            # 400 tensors, 1 item each per pair
+        _fill(src, many, "src"), _fill(dst, many, "dst")
+        t_many = _time_refits(g, many, prim)
+        cross = _specs(400, 16, 16, tp4, tp4c)          # 400 tensors, 4 items each per source
+        _fill(src, cross, "src"), _fill(dst, cross, "dst")
+        t_cross = _time_refits(g, cross, prim)
+        # the same 16 MiB as 64 tensors of 64 KiB items (each its own message, in place)
+        # or one tensor of one 4 MiB item per pair: the cost of 63 more messages per pair
+        msgs64 = _specs(64, N, 16384, tp4, tp4)
+        _fill(src, msgs64, "src"), _fill(dst, msgs64, "dst")
+        t_msgs64 = _time_refits(g, msgs64, prim)
+        msgs1 = _specs(1, N * 64, 16384, tp4, tp4)
+        _fill(src, msgs1, "src"), _fill(dst, msgs1, "dst")
+        t_msgs1 = _time_refits(g, msgs1, prim)
+    # all ranks share the cores; an item is handled by its sender and its receiver, a
+    # tensor's views are looked up by each of the 8 processes
+    item_s = max(0.0, (t_cross - t_many) * cores / (400 * 3 * N * 2))
+    tensor_s = max(0.0, ((t_many - t_round) * cores - 400 * N * 2 * item_s) / (400 * 2 * N))
+    message_s = max(0.0, ((t_msgs64 - t_msgs1) * cores - 63 * 2 * N * (item_s + tensor_s))
+                    / (63 * N * 2))
+    with rr.ReshardGroup(src, dst, bucket_bytes=4096) as g4:
+        rounds = 16                                      # one 16-chunk item per pair
+        chunked = _specs(1, N * rounds, 1024, tp4, tp4)
+        _fill(src, chunked, "src"), _fill(dst, chunked, "dst")
+        t_rounds = _time_refits(g4, chunked, prim * 2)
+    per_round_cpu = 2 * N * item_s / cores + 2 * N * tensor_s / cores / rounds
+    latency = max(0.0, (t_rounds - t_round) / (rounds - 1) - per_round_cpu)
+    overhead = max(0.0, t_round - latency - per_round_cpu)
+    with rr.ReshardGroup(near, dst, bucket_bytes=4096) as gr:
+        # the same two refits inside one node: the fixed cost of one ring transfer
+        _fill(near, tiny, "src"), _fill(dst, tiny, "dst")
+        t_ring_round = _time_refits(gr, tiny, prim * 2)
+        _fill(near, chunked, "src"), _fill(dst, chunked, "dst")
+        t_ring_rounds = _time_refits(gr, chunked, prim * 2)
+    ring_latency = max(0.0, (t_ring_rounds - t_ring_round) / (rounds - 1) - per_round_cpu)
+    copy_bps, contig_bps = copy_rates()
+    dom = _specs(8, 1024, max(256, 4 * (args.mb << 20) // 4 // 8 // 1024), tp4, tp4)
+    with rr.ReshardGroup(near, dst, bucket_bytes=bucket) as gd:
+        _fill(near, dom, "src"), _fill(dst, dom, "dst")
+        assert gd.plan(dom).stats.domain_bytes == gd.plan(dom).stats.total_bytes
+        t_dom = _time_refits(gd, dom, prim)
+        dom_rounds = 1 + max(t.key[0] for t in gd.plan(dom).schedule(bucket).transfers)
+    dom_bytes = sum(s.nbytes for s in dom.values())
+    # a ring transfer is the sender's copy into the slot and the receiver's copy out of it
+    # (contiguous here), on the shared cores, plus the ring's own cost: the domain link
+    dom_copies = 2 * dom_bytes / contig_bps / cores
+    domain_fabric = dom_bytes / max(1e-4, t_dom - t_ring_round - dom_copies
+                                    - (dom_rounds - 1) * ring_latency)
+    local = Cluster("local (measured now)", N, nvlink_Bps=domain_fabric, nic_Bps=one,
+                    latency_s=latency, item_s=item_s, tensor_s=tensor_s, fabric_Bps=fabric,
+                    domain_fabric_Bps=domain_fabric, refit_overhead_s=overhead,
+                    copy_Bps=copy_bps, contig_copy_Bps=contig_bps, cpu_cores=cores,
+                    broadcast="flat", per_item_min_bytes=64 << 10, message_s=message_s,
+                    ring_latency_s=ring_latency)
+    print("constants (measured with primitive transfers, not with the refits below):")
+    print(f"  network one pair {one / 1e9:.2f} GB/s, 4 pairs together {fabric / 1e9:.2f} GB/s; "
+          f"shared-memory refit in a node {dom_bytes / (t_dom - t_ring_round) / 1e9:.2f} GB/s")
+    print(f"  one-item refit {t_round * 1e3:.1f} ms = overhead {overhead * 1e3:.1f} ms + "
+          f"one round; per extra round {latency * 1e3:.2f} ms (in a node: "
+          f"{ring_latency * 1e3:.2f} ms); per item {item_s * 1e6:.1f} us "
+          f"and {tensor_s * 1e6:.1f} us per tensor per process of CPU; per message of an item "
+          f"sent as its own {message_s * 1e6:.1f} us per end")
+    print(f"  copies on one core: strided {copy_bps / 1e9:.2f} GB/s, contiguous "
+          f"{contig_bps / 1e9:.2f} GB/s; {cores} cores; the domain link without its copies "
+          f"{domain_fabric / 1e9:.2f} GB/s")
+    print(f"  -> {local.describe()}\n")
+
+    print(f"{'case':<40} {'MB':>6} {'items':>6} {'measured s: median [range]':>27} "
+          f"{'predicted s':>11} {'pred/meas':>9} {'bound s':>8}   (median of {args.repeats} "
+          f"refits after a warm-up; a prediction off by more than {MISS:.0%} is a MISS)")
+    rows = []
+    for name, specs in cases(args.mb):
+        with rr.ReshardGroup(src, dst, bucket_bytes=bucket) as g:
+            _fill(src, specs, "src"), _fill(dst, specs, "dst")
+            p = g.plan(specs)
+            runs = _timed_refits(g, specs, args.repeats)
+        sim = simulate(p, local, bucket, "exact")
+        items = sum(len(t.items) for t in p.schedule(bucket).transfers)
+        rows.append(_row(name, "reshard", runs, sim.predicted_s, p.stats.total_bytes, items,
+                         sim.bound_s))
+    name, specs = cases(args.mb)[0]
+    with rr.ReshardGroup(src, dst, bucket_bytes=bucket, strategy="gather_broadcast") as g:
+        _fill(src, specs, "src"), _fill(dst, specs, "dst")
+        p = g.plan(specs)
+        runs = _timed_refits(g, specs, args.repeats)
+    rows.append(_row("gather_broadcast: " + name, "gather_broadcast", runs,
+                     gather_broadcast_seconds(p, local, bucket), p.stats.total_bytes, 0,
+                     None))
+    return {"cluster": local.describe(), "rows": rows}
+
+
 def main(argv=None) -> int:
     ap = Parser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=int, default=64, help="megabytes of weights per case")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bucket-mb", type=int, default=16)
+    ap.add_argument("--runs", type=int, default=3,
+                    help="whole calibration runs (constants and cases), summarized by median")
     ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = ap.parse_args(argv)
-    bucket = args.bucket_mb << 20
-    tp4 = rr.Layout(_mesh1(range(N)), (rr.Shard(0),))
-    tp4c = rr.Layout(_mesh1(range(N)), (rr.Shard(1),))
+    if args.runs < 1 or args.repeats < 1:
+        ap.error("--runs and --repeats must be positive")
     with local_cluster(2):
         src, dst = holders(N, 0), holders(N, 1)
         near = holders(N, 1)                         # beside the destinations: same domain
-        # --- constants: each the best of 3x as many runs as the cases (cheap, and on a shared
-        # machine the least disturbed run is the one that measures the primitive)
-        prim = 3 * args.repeats
-        cores = os.cpu_count() or 1
-        probe = 64 << 20
-        with rr.ReshardGroup(src[:1], dst[:1]) as g1:
-            one = statistics.median(g1.raw_bandwidth(probe) for _ in range(prim)) * 1e9
-        with rr.ReshardGroup(src, dst, bucket_bytes=bucket) as g:
-            fabric = statistics.median(g.raw_bandwidth(probe) for _ in range(prim)) * 1e9
-            tiny = _specs(1, N, 4, tp4, tp4)                # one item per rank, one round
-            _fill(src, tiny, "src"), _fill(dst, tiny, "dst")
-            t_round = _time_refits(g, tiny, prim * 2)
-            many = _specs(400, 16, 16, tp4, tp4)            # 400 tensors, 1 item each per pair
-            _fill(src, many, "src"), _fill(dst, many, "dst")
-            t_many = _time_refits(g, many, prim)
-            cross = _specs(400, 16, 16, tp4, tp4c)          # 400 tensors, 4 items each per source
-            _fill(src, cross, "src"), _fill(dst, cross, "dst")
-            t_cross = _time_refits(g, cross, prim)
-            # the same 16 MiB as 64 tensors of 64 KiB items (each its own message, in place)
-            # or one tensor of one 4 MiB item per pair: the cost of 63 more messages per pair
-            msgs64 = _specs(64, N, 16384, tp4, tp4)
-            _fill(src, msgs64, "src"), _fill(dst, msgs64, "dst")
-            t_msgs64 = _time_refits(g, msgs64, prim)
-            msgs1 = _specs(1, N * 64, 16384, tp4, tp4)
-            _fill(src, msgs1, "src"), _fill(dst, msgs1, "dst")
-            t_msgs1 = _time_refits(g, msgs1, prim)
-        # all ranks share the cores; an item is handled by its sender and its receiver, a
-        # tensor's views are looked up by each of the 8 processes
-        item_s = max(0.0, (t_cross - t_many) * cores / (400 * 3 * N * 2))
-        tensor_s = max(0.0, ((t_many - t_round) * cores - 400 * N * 2 * item_s) / (400 * 2 * N))
-        message_s = max(0.0, ((t_msgs64 - t_msgs1) * cores - 63 * 2 * N * (item_s + tensor_s))
-                        / (63 * N * 2))
-        with rr.ReshardGroup(src, dst, bucket_bytes=4096) as g4:
-            rounds = 16                                      # one 16-chunk item per pair
-            chunked = _specs(1, N * rounds, 1024, tp4, tp4)
-            _fill(src, chunked, "src"), _fill(dst, chunked, "dst")
-            t_rounds = _time_refits(g4, chunked, prim * 2)
-        per_round_cpu = 2 * N * item_s / cores + 2 * N * tensor_s / cores / rounds
-        latency = max(0.0, (t_rounds - t_round) / (rounds - 1) - per_round_cpu)
-        overhead = max(0.0, t_round - latency - per_round_cpu)
-        with rr.ReshardGroup(near, dst, bucket_bytes=4096) as gr:
-            # the same two refits inside one node: the fixed cost of one ring transfer
-            _fill(near, tiny, "src"), _fill(dst, tiny, "dst")
-            t_ring_round = _time_refits(gr, tiny, prim * 2)
-            _fill(near, chunked, "src"), _fill(dst, chunked, "dst")
-            t_ring_rounds = _time_refits(gr, chunked, prim * 2)
-        ring_latency = max(0.0, (t_ring_rounds - t_ring_round) / (rounds - 1) - per_round_cpu)
-        copy_bps, contig_bps = copy_rates()
-        dom = _specs(8, 1024, max(256, 4 * (args.mb << 20) // 4 // 8 // 1024), tp4, tp4)
-        with rr.ReshardGroup(near, dst, bucket_bytes=bucket) as gd:
-            _fill(near, dom, "src"), _fill(dst, dom, "dst")
-            assert gd.plan(dom).stats.domain_bytes == gd.plan(dom).stats.total_bytes
-            t_dom = _time_refits(gd, dom, prim)
-            dom_rounds = 1 + max(t.key[0] for t in gd.plan(dom).schedule(bucket).transfers)
-        dom_bytes = sum(s.nbytes for s in dom.values())
-        # a ring transfer is the sender's copy into the slot and the receiver's copy out of it
-        # (contiguous here), on the shared cores, plus the ring's own cost: the domain link
-        dom_copies = 2 * dom_bytes / contig_bps / cores
-        domain_fabric = dom_bytes / max(1e-4, t_dom - t_ring_round - dom_copies
-                                        - (dom_rounds - 1) * ring_latency)
-        local = Cluster("local (measured now)", N, nvlink_Bps=domain_fabric, nic_Bps=one,
-                        latency_s=latency, item_s=item_s, tensor_s=tensor_s, fabric_Bps=fabric,
-                        domain_fabric_Bps=domain_fabric, refit_overhead_s=overhead,
-                        copy_Bps=copy_bps, contig_copy_Bps=contig_bps, cpu_cores=cores,
-                        broadcast="flat", per_item_min_bytes=64 << 10, message_s=message_s,
-                        ring_latency_s=ring_latency)
-        print("constants (measured with primitive transfers, not with the refits below):")
-        print(f"  network one pair {one / 1e9:.2f} GB/s, 4 pairs together {fabric / 1e9:.2f} GB/s; "
-              f"shared-memory refit in a node {dom_bytes / (t_dom - t_ring_round) / 1e9:.2f} GB/s")
-        print(f"  one-item refit {t_round * 1e3:.1f} ms = overhead {overhead * 1e3:.1f} ms + "
-              f"one round; per extra round {latency * 1e3:.2f} ms (in a node: "
-              f"{ring_latency * 1e3:.2f} ms); per item {item_s * 1e6:.1f} us "
-              f"and {tensor_s * 1e6:.1f} us per tensor per process of CPU; per message of an item "
-              f"sent as its own {message_s * 1e6:.1f} us per end")
-        print(f"  copies on one core: strided {copy_bps / 1e9:.2f} GB/s, contiguous "
-              f"{contig_bps / 1e9:.2f} GB/s; {cores} cores; the domain link without its copies "
-              f"{domain_fabric / 1e9:.2f} GB/s")
-        print(f"  -> {local.describe()}\n")
-
-        print(f"{'case':<40} {'MB':>6} {'items':>6} {'measured s: median [range]':>27} "
-              f"{'predicted s':>11} {'pred/meas':>9} {'bound s':>8}   (median of {args.repeats} "
-              f"refits after a warm-up; a prediction off by more than {MISS:.0%} is a MISS)")
-        rows = []
-        for name, specs in cases(args.mb):
-            with rr.ReshardGroup(src, dst, bucket_bytes=bucket) as g:
-                _fill(src, specs, "src"), _fill(dst, specs, "dst")
-                p = g.plan(specs)
-                runs = _timed_refits(g, specs, args.repeats)
-            sim = simulate(p, local, bucket, "exact")
-            items = sum(len(t.items) for t in p.schedule(bucket).transfers)
-            rows.append(_row(name, "reshard", runs, sim.predicted_s, p.stats.total_bytes, items,
-                             sim.bound_s))
-        name, specs = cases(args.mb)[0]
-        with rr.ReshardGroup(src, dst, bucket_bytes=bucket, strategy="gather_broadcast") as g:
-            _fill(src, specs, "src"), _fill(dst, specs, "dst")
-            p = g.plan(specs)
-            runs = _timed_refits(g, specs, args.repeats)
-        rows.append(_row("gather_broadcast: " + name, "gather_broadcast", runs,
-                         gather_broadcast_seconds(p, local, bucket), p.stats.total_bytes, 0,
-                         None))
-        ours = [r for r in rows if r["strategy"] == "reshard"]
-        worst = max(abs(r["ratio"] - 1) for r in ours)
-        misses = [r["case"] for r in rows if r["miss"]]
-        print(f"\nreshard predictions: {len(ours) - sum(r['miss'] for r in ours)} of {len(ours)} "
-              f"within {MISS:.0%} of the measured medians, worst off by {100 * worst:.0f}%"
-              + (f"; MISSES: {', '.join(misses)}" if misses else ""))
-        out = {"repeats": args.repeats, "mb": args.mb, "cluster": local.describe(),
-               "rows": rows, "worst": worst, "misses": misses}
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(out, f, indent=1)
+        per_run = []
+        for k in range(args.runs):
+            print(f"\n=== calibration run {k + 1} of {args.runs}")
+            per_run.append(calibrate_once(args, src, dst, near))
+    summary = summarize(per_run)
+    ours = [r for r in summary if r["strategy"] == "reshard"]
+    misses = [r["case"] for r in summary if r["miss"]]
+    worst = max(abs(r["ratio"] - 1) for r in ours)
+    print(f"\npredicted / measured over {args.runs} calibration runs (each its own constants; "
+          f"median [range]; a median more than {MISS:.0%} off is a MISS):")
+    for r in summary:
+        print(f"  {r['case']:<46} {r['ratio']:.2f} [{r['low']:.2f}-{r['high']:.2f}]"
+              f"{'   MISS' if r['miss'] else ''}")
+    print(f"\nreshard predictions: {len(ours) - sum(r['miss'] for r in ours)} of {len(ours)} "
+          f"within {MISS:.0%} of the measured times (median over runs), worst off by "
+          f"{100 * worst:.0f}%" + (f"; MISSES: {', '.join(misses)}" if misses else ""))
+    out = {"repeats": args.repeats, "runs": args.runs, "mb": args.mb, "per_run": per_run,
+           "summary": summary, "worst": worst, "misses": misses}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
     return 0
+
+
+def summarize(per_run: list) -> list:
+    """Per case: the median and range over the runs of predicted / measured."""
+    out = []
+    for i, row in enumerate(per_run[0]["rows"]):
+        ratios = [run["rows"][i]["ratio"] for run in per_run]
+        med = statistics.median(ratios)
+        out.append({"case": row["case"], "strategy": row["strategy"], "ratio": med,
+                    "low": min(ratios), "high": max(ratios), "ratios": ratios,
+                    "miss": abs(med - 1) > MISS})
+    return out
 
 
 MISS = 0.25        # a prediction further than this from the measured median is a miss
