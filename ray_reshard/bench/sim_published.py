@@ -103,6 +103,7 @@ def main(argv=None) -> int:
             f"{'layout bnd':>10} {'direct':>6} {'gath-bc':>7}  published other; note")
     print(head)
     print("-" * len(head))
+    checks = []         # rows publishing a direct time too: (row, ours, published, theirs)
     for i, (who, model, train, infer, cluster, pub, other, note) in enumerate(ROWS):
         if pick is not None and i not in pick:
             continue
@@ -112,11 +113,18 @@ def main(argv=None) -> int:
         per_item, links = o["variants"]["per_item"], o["variants"]["links"]
         lay = f"{o['train']} -> {o['infer']}".replace("Megatron ", "").replace("vLLM ", "")
         check = "" if o["plan_within_layout_bound"] else f"; PLAN CHECK: {o['plan_check']}"
+        if other.startswith("direct ") and other.endswith(" s"):
+            checks.append((i, o["direct_s"], pub, float(other.split()[1])))
         print(f"{i:>2} {who:<46} {model:<12} {lay:<44} {pub:<12} {o['predicted_s']:>7.2f} "
               f"{per_item:>8.2f} {links:>6.2f} {o['bound_s']:>8.2f} "
               f"{o['layout_bound']['bound_s']:>10.2f} {o['direct_s']:>6.2f} "
               f"{o['gather_broadcast_s']:>7.2f}  {'; '.join(x for x in (other, note) if x)}"
               f"{check}", flush=True)
+    for i, pred_direct, pub, pub_direct in checks:
+        print(f"row {i}: the source measured direct point-to-point at {pub_direct:g} s; this "
+              f"simulator predicts {pred_direct:.2f} s for it ({pred_direct / pub_direct:.2f}x "
+              f"the measurement), so its reshard prediction for that system (published: {pub}) "
+              f"carries an error of that order")
     print("pred. s: reshard predicted (copy tables); per-item: the same with each region copied "
           "on its own; links: no CPU costs at all; plan bnd: the plan's busiest NIC; layout "
           "bnd: each domain's distinct needed bytes over its own NICs, from the layouts alone; "
