@@ -150,6 +150,7 @@ class ReshardGroup:
         # spec items -> (program id, plan, its ring pairs); least recently used first
         self._plans: OrderedDict = OrderedDict()
         self._installed: set = set()
+        self._program_bytes: dict = {}  # program id -> its memory over all processes (measured)
         self._ring_users: dict = {}     # ring pair -> program ids whose schedule uses it
         self._rings: dict = {}          # (sender pid, receiver pid) -> (ring name, slot bytes)
 
@@ -244,6 +245,7 @@ class ReshardGroup:
         if key not in self._installed:
             return
         self._installed.discard(key)
+        self._program_bytes.pop(key, None)
         unused = []
         for pair, users in list(self._ring_users.items()):
             users.discard(key)
@@ -762,18 +764,33 @@ class ReshardGroup:
         except Exception:
             pass
 
-    def resources(self) -> dict:
-        """What this group holds now (read on the driver, no remote call), for leak checks.
+    def resources(self, measure: bool = False) -> dict:
+        """What this group holds now (read on the driver, no remote call unless `measure`), for
+        leak checks.
 
         `segments`: names of its shared-memory ring segments (unlinked from /dev/shm once both
         ends mapped them); `helpers`: node id -> that node's helper actor (shared by this
         driver's groups; `helper.segments.remote(group_id)` lists what it still holds for this
-        group); `programs`: spec sets installed on the actors; `plans`: plans cached;
-        `processes`: member processes.
+        group); `programs`: spec sets installed on the actors; `program_bytes`: program id ->
+        the memory its installed program holds, summed over the processes (each process holds
+        the plan it compiled from, its compiled steps and buffers): measured by every process
+        when `measure` (once per program: about as long as installing it took), else as last
+        measured; `plans`: plans cached; `processes`: member processes. Programs beyond
+        `max_programs` are evicted in every process, so what programs hold stays proportional
+        to the programs cached.
         """
+        if measure:
+            with self._lock:
+                self._settle()
+                self._check_usable()
+                per = self._call_all(worker.held_resources, self.group_id)
+                self._program_bytes = {k: sum(h["program_bytes"].get(k, 0) for h in per)
+                                       for k in self._installed}
         return {"group_id": self.group_id,
                 "segments": sorted(name for name, _ in self._rings.values()),
                 "helpers": dict(self._helpers), "programs": len(self._installed),
+                "program_bytes": {k: n for k, n in self._program_bytes.items()
+                                  if k in self._installed},
                 "plans": len(self._plans), "processes": len(self._procs)}
 
 

@@ -60,6 +60,7 @@ class _Program:
     checked: Any = None
     dst_storages: tuple = ()              # local tensor names the destination shards live in
     checked_dst: Any = None               # `checked` of the destination shards alone
+    nbytes: int = 0                       # memory of its objects, once measured (program_bytes)
 
 
 @dataclass
@@ -175,6 +176,42 @@ def install(actor, group_id: str, key, plan: Plan, transfers: Optional[list],
         ring = dict(prog.compiled.max_ring_bytes)
     wg.programs[key] = prog
     return ring
+
+
+def object_bytes(root) -> int:
+    """Bytes of the Python objects reachable from `root` (each counted once). Tensors count
+    as objects only (their memory is the user's or counted apart); classes, modules, functions
+    and the group's shared state (transports, the worker group) are not followed."""
+    import gc
+    import sys
+    import types
+    stop = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+            types.MethodType, _WorkerGroup)
+    seen, stack, total = set(), [root], 0
+    while stack:
+        o = stack.pop()
+        if id(o) in seen or isinstance(o, stop):
+            continue
+        seen.add(id(o))
+        mod = type(o).__module__ or ""
+        if mod.startswith(__package__ + ".transport"):
+            continue
+        total += sys.getsizeof(o)
+        if not isinstance(o, torch.Tensor):
+            stack.extend(gc.get_referents(o))
+    return total
+
+
+def program_bytes(prog: _Program) -> int:
+    """Memory one installed program holds in this process: its objects (the plan it was
+    compiled from, the compiled steps, the shard table; measured once, a walk over them that
+    costs about as much as compiling) and the buffers its runs allocated (block-FP8 shards
+    quantised on arrival keep a source-dtype buffer)."""
+    if not prog.nbytes:
+        prog.nbytes = object_bytes(prog)
+    finishers = getattr(prog.compiled, "finishers", None) or ()
+    return prog.nbytes + sum(f.buffer.untyped_storage().nbytes() for f in finishers
+                             if f.buffer is not None)
 
 
 class UserCodeFailed(Exception):
@@ -589,11 +626,14 @@ def member_groups(actor) -> list:
 
 
 def held_resources(actor, group_id: str) -> dict:
-    """What this process holds for a group: installed programs and mapped rings by peer."""
+    """What this process holds for a group: installed programs (and each one's memory, see
+    `program_bytes`) and mapped rings by peer."""
     wg = _GROUPS.get(group_id)
     if wg is None:
-        return {"member": False, "programs": 0, "rings_out": {}, "rings_in": {}}
+        return {"member": False, "programs": 0, "rings_out": {}, "rings_in": {},
+                "program_bytes": {}}
     return {"member": True, "programs": len(wg.programs),
+            "program_bytes": {k: program_bytes(p) for k, p in wg.programs.items()},
             "rings_out": {p: r.name for p, r in wg.rings_out.items()},
             "rings_in": {p: r.name for p, r in wg.rings_in.items()}}
 

@@ -73,13 +73,10 @@ SPECS = {"w": rr.TensorSpec((16, 8), torch.float32, L([0, 1], Shard(0)), L([0, 1
          "b": rr.TensorSpec((8,), torch.float32, L([0, 1], Replicate()), L([0, 1], Shard(0)))}
 
 
-def fulls(gen):
-    g = torch.Generator().manual_seed(gen)
-    return {"w": torch.randn(16, 8, generator=g), "b": torch.randn(8, generator=g)}
-
-
 def load(src, dst, gen, specs=SPECS):
-    f = fulls(gen)
+    """Sources get their shards of new random full tensors (returned); destinations noise."""
+    g = torch.Generator().manual_seed(gen)
+    f = {n: torch.randn(s.shape, generator=g) for n, s in specs.items()}
     ray.get([a.set.remote({n: rr.shard_tensor(f[n], s.src, r) for n, s in specs.items()
                            if s.src.box(r, s.shape) is not None}) for r, a in enumerate(src)])
     if dst:
@@ -279,3 +276,62 @@ def test_join_copies_only_from_a_replica_at_the_groups_version(pair):
 def replicated_specs_mirror(specs):
     """What the new actors hold after a mirror join: replica 1's layout over ranks 0, 1."""
     return {n: rr.TensorSpec(s.shape, s.dtype, s.src, L([0, 1], Shard(1))) for n, s in specs.items()}
+
+
+# ------------------------------------------------------------------ memory per program
+def _traced(actor, start=False):
+    import gc
+    import tracemalloc
+    if start:
+        tracemalloc.start()
+    gc.collect()
+    return tracemalloc.get_traced_memory()[0]
+
+
+def _stop_tracing(actor):
+    import tracemalloc
+    tracemalloc.stop()
+
+
+def spec_set(i):
+    """Distinct spec sets: 12 tensors whose row count depends on i."""
+    return {f"t{j}": rr.TensorSpec((8 + 2 * i, 16), torch.float32, L([0, 1], Shard(0)),
+                                   L([0, 1], Shard(1)) if j % 2 else L([0, 1], Replicate()))
+            for j in range(12)}
+
+
+def test_memory_per_program_is_reported_and_stays_proportional_to_the_programs_cached(pair):
+    from ray_reshard.runtime import worker
+    src, dst = pair
+    with rr.ReshardGroup(src, dst, timeout_s=20.0, max_programs=2) as g:
+        for i in range(2):
+            load(src, dst, i, spec_set(i))
+            g.refit(spec_set(i))
+        held = g.resources(measure=True)
+        assert held["programs"] == 2 and len(held["program_bytes"]) == 2
+        per_program = max(held["program_bytes"].values())
+        assert per_program > 0 and all(n > 0 for n in held["program_bytes"].values())
+        ray.get([a.__ray_call__.remote(_traced, True) for a in src + dst])
+        try:
+            for i in range(2, 5):                # the programs cached now were made while traced
+                load(src, dst, i, spec_set(i))
+                g.refit(spec_set(i))
+            base = ray.get([a.__ray_call__.remote(_traced) for a in src + dst])
+            for i in range(5, 11):               # 6 more spec sets, each evicting an older one
+                load(src, dst, i, spec_set(i))
+                g.refit(spec_set(i))
+            after = ray.get([a.__ray_call__.remote(_traced) for a in src + dst])
+        finally:
+            ray.get([a.__ray_call__.remote(_stop_tracing) for a in src + dst])
+        held = g.resources(measure=True)
+        assert held["programs"] == 2 and len(held["program_bytes"]) == 2
+        assert held["plans"] == 2
+        per_proc = ray.get([a.__ray_call__.remote(worker.held_resources, g.group_id)
+                            for a in src + dst])
+        assert all(h["programs"] == 2 and len(h["program_bytes"]) == 2 for h in per_proc)
+        assert sum(sum(h["program_bytes"].values()) for h in per_proc) == \
+            sum(held["program_bytes"].values())
+        # Python memory in each process grew by less than one program's share in 6 refits of
+        # new spec sets: evicted programs are freed, not kept.
+        for b, a, h in zip(base, after, per_proc):
+            assert a - b < max(h["program_bytes"].values()), (b, a, h["program_bytes"])
