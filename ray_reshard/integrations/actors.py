@@ -1,5 +1,5 @@
-"""Actor handles of the processes that hold the weights, to pass as ``src_actors`` /
-``dst_actors``.
+"""Actor handles of the processes that hold the weights, for a `ReshardGroup` built by hand
+(the vLLM backend finds the workers itself, through the engine's ``collective_rpc``).
 
 Neither vLLM nor Ray Train exposes its worker actors publicly, but every Ray actor can name
 itself (``ray.get_runtime_context().current_actor``), so the handles are collected by running a
@@ -7,8 +7,7 @@ small function inside the workers:
 
     # vLLM on Ray (distributed_executor_backend="ray"): one handle per worker, in worker rank
     # order (dp-major, then pp, then tp: the order `VLLM(...)` numbers ranks)
-    llm = vllm.LLM(model, tensor_parallel_size=4, distributed_executor_backend="ray",
-                   weight_transfer_config=WeightTransferConfig(backend="ray_reshard"))
+    llm = vllm.LLM(model, tensor_parallel_size=4, distributed_executor_backend="ray")
     dst_actors = vllm_worker_actors(llm)
 
     # Ray Train: inside the training function, on every worker (uses the default
