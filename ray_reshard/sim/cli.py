@@ -251,6 +251,7 @@ def main(argv=None) -> int:
     ap = build_parser()
     try:
         args = ap.parse_args(argv)
+        preset(args.cluster)             # a wrong name ends in its one error line, no progress
         say(f"simulating {args.model[0]}: {describe(args.train)} -> {describe(args.infer)} on "
             f"{args.cluster} (specs, two plans and the replay: seconds to a minute)...")
         out = run(args)
