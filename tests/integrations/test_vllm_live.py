@@ -11,7 +11,8 @@ import ray
 import torch
 
 from live import (DEEPSEEK_V3, MAX_TOKENS, PROMPTS, QWEN3, QWEN3_MOE, FSDPTrainer, ShardTrainer,
-                  assert_same_generation, checkpoint_state, perturbed, reference, require_vllm)
+                  assert_same_generation, checkpoint_state, fresh_engine_reference, perturbed,
+                  reference, require_vllm)
 
 from ray_reshard.models import FSDP, VLLM, Megatron, local_state
 
@@ -26,10 +27,19 @@ CASES = [  # (model, engine TP, trainer layout)
     ("deepseek_v3", 1, Megatron(tp=2, ep=2, etp=1)),
 ]
 CONFIGS = {"qwen3": QWEN3, "qwen3_moe": QWEN3_MOE, "deepseek_v3": DEEPSEEK_V3}
-# Weights to refit: the checkpoint's plus noise of this scale. DeepSeek-V3 gets larger weights,
-# so its logits are far apart: at init scale, vLLM's absorbed MLA and transformers' MLA differ
-# in rounding enough to break near-ties between greedy tokens.
+# Weights to refit: the checkpoint's plus noise of this scale.
 SCALE = {"qwen3": 0.05, "qwen3_moe": 0.05, "deepseek_v3": 0.3}
+# DeepSeek-V3 on vLLM's CPU build does not generate as transformers does, whoever loads the
+# weights (a new engine started from the checkpoint differs from transformers by over 1 in
+# logprob at these weights): its reference is a new vLLM engine started from the same weights,
+# which the refit engine must equal exactly (token ids and logprobs).
+FRESH_ENGINE_REFERENCE = {"deepseek_v3"}
+
+
+def expected(live, sd):
+    if live["name"] in FRESH_ENGINE_REFERENCE:
+        return fresh_engine_reference(live["path"], sd, tp=live["tp"]), 0.0
+    return reference(live["path"], sd), 2e-3
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-tp{c[1]}-{c[2]}")
@@ -66,7 +76,7 @@ def test_refit_then_generate_equals_transformers(live):
 
     engine = live["engine"]
     before = generate(engine, PROMPTS, MAX_TOKENS)
-    if live["name"] != "deepseek_v3":       # near-ties at init scale (see SCALE)
+    if live["name"] not in FRESH_ENGINE_REFERENCE:
         assert_same_generation(before, reference(live["path"], live["base"]))
 
     new = perturbed(live["base"], seed=1, scale=live["scale"])
@@ -75,7 +85,7 @@ def test_refit_then_generate_equals_transformers(live):
     results = ray.get([t.send.remote() for t in trainers])
     assert results[0]["version"] == 1 and results[1:] == [None] * (len(trainers) - 1)
     got = generate(engine, PROMPTS, MAX_TOKENS)
-    assert_same_generation(got, reference(live["path"], new))
+    assert_same_generation(got, *expected(live, new))
     assert [g["token_ids"] for g in got] != [b["token_ids"] for b in before]
 
     # a second refit with changed weights: the engine follows them
@@ -84,22 +94,30 @@ def test_refit_then_generate_equals_transformers(live):
         ray.get(t.load.remote(local_state(live["cfg"], live["train"], "src", r, newer,
                                           dtype=torch.float32, hf_experts="split")))
     assert ray.get([t.send.remote() for t in trainers])[0]["version"] == 2
-    assert_same_generation(generate(engine, PROMPTS, MAX_TOKENS), reference(live["path"], newer))
+    assert_same_generation(generate(engine, PROMPTS, MAX_TOKENS), *expected(live, newer))
     ray.get([t.close.remote() for t in trainers])
 
-    # every decision as the CPU build requires: norms and the embedding lookup read their
-    # parameters (in place); linear weights are released and repacked, the LM head's logits
-    # read a packed copy, MoE experts are prepacked (all through load_weights)
+    # every decision as the CPU build requires: norms, the embedding lookup, MLA's kv_b_proj
+    # (its GEMM reads the parameter) and MLA's derived W_UK_T / W_UV read their parameters (in
+    # place); other linear weights are released and repacked, the LM head's logits read a
+    # packed copy, MoE experts are prepacked, the router's bias is reloaded with its released
+    # weight (all through load_weights)
     for row in report:
-        name = row["name"]
-        in_place = name.endswith("norm.weight") or name == "model.embed_tokens.weight"
-        assert (row["route"] == "in place") == in_place, row
-        if "proj" in name and "experts" not in name or name.endswith("mlp.gate.weight"):
-            assert row["shape"] == (0,) and "released" in row["why"], row
+        name, why = row["name"], row["why"] or ""
+        if name.endswith(("norm.weight", "kv_b_proj.weight", ".W_UK_T", ".W_UV")) or \
+                name == "model.embed_tokens.weight":
+            assert row["route"] == "in place", row
+            continue
+        assert row["route"] == "fallback", row
         if name == "lm_head.weight":
-            assert "packed copy" in row["why"], row
-        if "experts" in name:
-            assert "rearranges expert weights" in row["why"], row
+            assert "packed copy" in why, row
+        elif ".experts." in name:
+            assert "rearranges expert weights" in why, row
+        elif name.endswith("gate.e_score_correction_bias"):
+            assert "reloaded as a whole" in why, row
+        else:
+            assert ("_proj." in name or name.endswith("mlp.gate.weight")) and \
+                row["shape"] == (0,) and "released" in why, row
     assert {r["rank"] for r in report} == set(range(live["tp"]))
 
 
@@ -143,7 +161,8 @@ def test_fsdp2_trainers_refit_a_live_engine(live):
     assert not torch.equal(full["model.norm.weight"], live["base"]["model.norm.weight"])
     ray.get([t.init.remote(trainers, [live["engine"]], live["cfg"], FSDP(shard=world),
                            live["infer"], torch.float32, "fsdp") for t in trainers])
-    assert ray.get([t.send.remote() for t in trainers])[0]["network_bytes"] > 0
+    moved = ray.get([t.send.remote() for t in trainers])[0]
+    assert sum(moved[f"{p}_bytes"] for p in ("network", "domain", "local")) > 0, moved
     assert_same_generation(generate(live["engine"], PROMPTS, MAX_TOKENS),
                            reference(live["path"], full))
     ray.get([t.close.remote() for t in trainers])
