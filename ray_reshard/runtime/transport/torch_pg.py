@@ -61,7 +61,13 @@ DEFAULT_OP_TIMEOUT_S = 1800.0
 RENDEZVOUS_TIMEOUT_S = 120.0
 # How often every process looks for an abort written by another one.
 ABORT_POLL_S = 0.2
-STORE_OP_TIMEOUT_S = 10.0
+# Bound on one store operation of the abort path: a frozen store host (process 0 stopped, not
+# dead) must not hold a failing process past its deadline. The store is served by a thread of
+# its own in process 0: a live host answers in milliseconds. A TCPStore client whose server
+# stopped answering blocks in most operations whatever its timeout, so every store operation
+# of a member's own thread runs in a helper thread it waits for at most this long (or until
+# the refit's deadline, for a vote); see `TorchPGGroup._bounded`.
+STORE_OP_TIMEOUT_S = 2.0
 _ABORT_KEY = "rr_abort"
 _BREAK_TAG = 0x5252_0000          # a gloo tag no message uses: the watcher's 1 ms receive
 # Set while our ProcessGroupNCCL objects are built (torch reads them in the constructor).
@@ -213,6 +219,11 @@ class TorchPGGroup(BaseGroup):
         # store host cannot hold a failing process (the watcher thread has another one).
         self._abort_store = self._short_store()
         watch_store = self._short_store()
+        # Votes go through a connection of their own. Once one store operation did not answer
+        # in time, this says why, and no store operation of this member is tried again (the
+        # helper thread of the one that did not answer may still hold its connection).
+        self._vote_store = self._short_store()
+        self._store_silent: Optional[str] = None
         self._watcher = threading.Thread(target=self._watch, args=(watch_store,),
                                          name=f"rr-abort-{group_name}", daemon=True)
         self._watcher.start()
@@ -226,6 +237,30 @@ class TorchPGGroup(BaseGroup):
         client = self._store.clone()
         client.set_timeout(datetime.timedelta(seconds=STORE_OP_TIMEOUT_S))
         return dist.PrefixStore(self.group_name + "/", client)
+
+    def _bounded(self, fn: Callable, deadline: float, what: str):
+        """fn() (a store operation) run in a helper thread, waited for until `deadline`: a
+        store whose host stopped answering raises TransportTimeout naming process 0 then,
+        and every later store operation of this member at once."""
+        if self._store_silent is not None:
+            raise TransportTimeout(f"{what}: {self._store_silent}")
+        out: dict = {}
+
+        def call():
+            try:
+                out["value"] = fn()
+            except BaseException as e:      # handed to the waiting thread
+                out["error"] = e
+        t = threading.Thread(target=call, name=f"rr-store-{self.group_name}", daemon=True)
+        t.start()
+        t.join(max(deadline - time.monotonic(), 0.05))
+        if t.is_alive():
+            self._store_silent = (f"the group's store did not answer: process 0 (its host) "
+                                  f"stopped answering")
+            raise TransportTimeout(f"{what}: {self._store_silent}")
+        if "error" in out:
+            raise out["error"]
+        return out.get("value")
 
     # -- backend specifics (overridden by the NCCL variant)
     def _device(self) -> Optional[torch.device]:
@@ -301,26 +336,33 @@ class TorchPGGroup(BaseGroup):
         until `deadline` at most, and an abort from any member ends the wait at once.
         Ballots must be cast in the same order everywhere; each member clears its key of the
         previous ballot (every member has passed it by the time this one completes)."""
-        store = self._gstore
+        store = self._vote_store
         what = f"refit check ({name})"
+        # A little past the deadline: the barrier itself raises at the deadline, naming the
+        # ranks that did not vote, when the store answers.
+        late = deadline + ABORT_POLL_S + 0.5
         try:
             if not ok:
-                store.add(f"{name}/no", 1)
-            store_barrier(store, name, self.rank, self.world_size, deadline, what,
-                          self._raise_if_aborted)
-            refused = store.add(f"{name}/no", 0)
+                self._bounded(lambda: store.add(f"{name}/no", 1), deadline, what)
+            self._bounded(lambda: store_barrier(store, name, self.rank, self.world_size,
+                                                deadline, what, self._raise_if_aborted),
+                          late, what)
+            refused = self._bounded(lambda: store.add(f"{name}/no", 0), late, what)
         except TransportError:
             raise
         except Exception as e:            # the store's host (process 0) is gone
             self._raise_if_aborted(what)
-            raise TransportError(f"{what}: the group's store (hosted by process 0) failed: "
-                                 f"{_cause(e)}") from None
+            raise TransportError(f"{what}: the group's store (hosted by process 0) did not "
+                                 f"answer before the deadline: process 0 stopped answering "
+                                 f"({_cause(e)})") from None
         last, self._last_vote = getattr(self, "_last_vote", None), name
         if last is not None:
-            try:
+            def clear():
                 store.delete_key(f"{last}/{self.rank}")
                 if self.rank == 0:
                     store.delete_key(f"{last}/no")
+            try:
+                self._bounded(clear, time.monotonic() + STORE_OP_TIMEOUT_S, what)
             except Exception:
                 pass
         return refused
@@ -337,7 +379,8 @@ class TorchPGGroup(BaseGroup):
         at once; the other members' watchers break theirs within ABORT_POLL_S."""
         reason = (reason or f"process {self.rank} aborted the group")[:500]
         try:
-            first = self._abort_store.compare_set(_ABORT_KEY, "", reason)
+            first = self._bounded(lambda: self._abort_store.compare_set(_ABORT_KEY, "", reason),
+                                  time.monotonic() + STORE_OP_TIMEOUT_S, "abort")
             reason = bytes(first).decode(errors="replace") or reason
         except Exception:
             pass                        # the store is gone: the others' watchers notice that
@@ -389,22 +432,35 @@ class TorchPGGroup(BaseGroup):
             # At least 1 ms: a zero timedelta means "no timeout" to Work.wait.
             ok = work.wait(datetime.timedelta(seconds=max(left, 0.001)))
         except RuntimeError as e:
-            self._check_store()           # a peer that aborted closed its connections first
+            # A peer that aborted closed its connections first: read its reason (briefly once
+            # the deadline passed: the timeout is then the error, and the caller's deadline
+            # is not to be stretched by a store that does not answer).
+            self._check_store(0.5 if time.monotonic() >= deadline else STORE_OP_TIMEOUT_S)
             self._raise_if_aborted(what)
             raise _transport_error(what, e) from None
         self._raise_if_aborted(what)
         if ok is False:
             raise TransportTimeout(f"{what}: timed out")
 
-    def _check_store(self) -> None:
-        """Read an abort another process wrote, now (instead of at the watcher's next poll)."""
+    def _check_store(self, seconds: float = STORE_OP_TIMEOUT_S) -> None:
+        """Read an abort another process wrote, now (instead of at the watcher's next poll),
+        waiting at most `seconds` for the store."""
         if self._aborted is not None:
             return
-        try:
+
+        def read():
             if self._abort_store.check([_ABORT_KEY]):
-                self._abort_local(self._abort_store.get(_ABORT_KEY).decode(errors="replace"))
+                return self._abort_store.get(_ABORT_KEY).decode(errors="replace")
+            return None
+        try:
+            reason = self._bounded(read, time.monotonic() + seconds, "abort check")
+        except TransportTimeout as e:   # the store's host stopped answering: that is the cause
+            self._abort_local(str(e))
+            return
         except Exception:
-            pass
+            return
+        if reason is not None:
+            self._abort_local(reason)
 
     def _raise_if_aborted(self, what: str) -> None:
         if self._aborted is not None:
@@ -541,13 +597,21 @@ def abort_group(address: tuple[str, int], group_name: str, reason: str,
     """Abort group `group_name` from a process outside it (the driver, when a member died):
     write the abort reason in its store, where every member's watcher finds it. Returns
     whether the store took it (False when it is gone: its host died, which members see too)."""
-    try:
-        client = dist.TCPStore(address[0], address[1], is_master=False,
-                               timeout=datetime.timedelta(seconds=timeout_s))
-        dist.PrefixStore(group_name + "/", client).compare_set(_ABORT_KEY, "", reason[:500])
-        return True
-    except Exception:
-        return False
+    out: dict = {}
+
+    def write():                # in a thread: a frozen store host would block it for ever
+        try:
+            client = dist.TCPStore(address[0], address[1], is_master=False,
+                                   timeout=datetime.timedelta(seconds=timeout_s))
+            dist.PrefixStore(group_name + "/", client).compare_set(_ABORT_KEY, "",
+                                                                   reason[:500])
+            out["ok"] = True
+        except Exception:
+            pass
+    t = threading.Thread(target=write, name="rr-abort-group", daemon=True)
+    t.start()
+    t.join(timeout_s + 0.5)
+    return out.get("ok", False)
 
 
 def store_barrier(store, name: str, rank: int, world: int, deadline: float, what: str,
