@@ -262,12 +262,15 @@ class RayReshardWeightTransferEngine(WeightTransferEngine[RayReshardInitInfo, Ra
             self.model.load_weights(iter(list(self.staging.items())))
 
     def finish_weight_update(self) -> None:
-        if self._layerwise:
+        if self._layerwise:     # the reload's end re-processes deferred attention layers itself
             self.end_reload()
             self._layerwise = False
             self.reprocessed = finish_expert_processing(self.model, self._expert_calls or {})
             self._expert_calls = None
-        self.rederived = rederive(self.model, getattr(self.model_config, "dtype", torch.bfloat16))
+            self.rederived = []
+        else:
+            self.rederived = rederive(self.model,
+                                      getattr(self.model_config, "dtype", torch.bfloat16))
 
     def shutdown(self) -> None:
         self.staging, self.exposed = {}, {}

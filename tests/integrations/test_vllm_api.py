@@ -112,9 +112,16 @@ class Worker:
             WeightTransferConfig(backend="ray_reshard"), vllm_config, torch.device("cpu"),
             self.model)
         assert type(self.weight_transfer_engine) is RayReshardWeightTransferEngine
-        self.reloads = []       # vLLM's layerwise reload needs its full install: recorded
+        self.reloads = []       # vLLM's layerwise reload needs a model it built: recorded,
         self.weight_transfer_engine.begin_reload = lambda: self.reloads.append("begin")
-        self.weight_transfer_engine.end_reload = lambda: self.reloads.append("end")
+        self.weight_transfer_engine.end_reload = self.end_reload
+
+    def end_reload(self):
+        """... and its end re-processes the deferred attention layers, as vLLM's does."""
+        self.reloads.append("end")
+        for name, m in self.model.named_modules():
+            if name.endswith("mla_attn"):
+                m.process_weights_after_loading(torch.bfloat16)
 
 
 @ray.remote(num_cpus=0)
@@ -223,8 +230,9 @@ def test_vllm_backend_end_to_end(cluster):
         assert set(loaded) == set(fallback[r])
         for n, t in loaded.items():
             assert torch.equal(t, sd[n].to(torch.bfloat16)), n
-        # derived tensors recomputed from the new kv_b_proj
-        assert sorted(rederived) == [f"model.layers.{l}.self_attn.mla_attn" for l in range(3)]
+        # derived tensors recomputed from the new kv_b_proj (by the reload's end: the engine
+        # re-derives them itself only after refits with no reload)
+        assert rederived == []
         for l in range(3):
             kvb = params[f"model.layers.{l}.self_attn.kv_b_proj.weight"]
             assert torch.equal(params[f"model.layers.{l}.self_attn.mla_attn.W_UK_T"], kvb * 2)
@@ -336,3 +344,21 @@ def test_block_fp8_workers_take_fp8_weights_and_scales_as_the_checkpoint_holds_t
             assert torch.equal(dst[r][FULL + n + "_scale_inv"], s), (r, n)
             checked += 1
     assert checked > 10
+
+
+def test_refits_without_a_reload_re_derive_mla_tensors():
+    """All in place (no fallback, so no layerwise reload): finish_weight_update recomputes MLA's
+    W_UK_T from the kv_b_proj the refit wrote."""
+    from ray_reshard.integrations.vllm import writable
+
+    worker = Worker(0)
+    eng = worker.weight_transfer_engine
+    eng.start_weight_update()
+    params = dict(worker.model.named_parameters())
+    for l in range(3):
+        writable(params[f"model.layers.{l}.self_attn.kv_b_proj.weight"].data).fill_(3.0)
+    eng.finish_weight_update()
+    assert worker.reloads == []
+    assert sorted(eng.rederived) == [f"model.layers.{l}.self_attn.mla_attn" for l in range(3)]
+    for l in range(3):
+        assert bool((params[f"model.layers.{l}.self_attn.mla_attn.W_UK_T"] == 6.0).all())
