@@ -292,7 +292,7 @@ def main(argv=None) -> int:
             with open(os.path.join(keep, f"{n}.out.json")) as f:
                 results[n] = json.load(f)
     else:
-        meta = {"facts": machine_facts(), "commit": commit, "small": args.small}
+        meta = {"facts": machine_facts(), "commit": _commit(), "small": args.small}
         with open(os.path.join(keep, "meta.json"), "w") as f:
             json.dump(meta, f)
         for n in names:
