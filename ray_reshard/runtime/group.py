@@ -470,6 +470,8 @@ class ReshardGroup:
         _refuse([st.get("refused", []) for st in per if st])
 
     def _discard_all(self) -> None:
+        if not self._ray_alive():       # nothing left to tell: the actors went with Ray
+            return
         for a in self._procs:
             a.__ray_call__.remote(worker.discard, self.group_id, self._version)
 
@@ -486,7 +488,7 @@ class ReshardGroup:
         refs = [a.__ray_call__.remote(worker.commit, self.group_id, version)
                 for a in self._procs]
         grace = 5.0
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout + grace)
+        ready, _ = self._wait(refs, len(refs), timeout + grace)
         ready = set(ready)
         failed, texts = [], []
         for proc, r in enumerate(refs):
@@ -496,7 +498,7 @@ class ReshardGroup:
                 texts.append(f"process {proc} did not finish within {timeout:.1f} s (commit)")
                 continue
             try:
-                ray.get(r)
+                self._get(r)
             except (RayActorError, RayTaskError) as e:
                 failed.append(proc)
                 texts.append(_describe(proc, e))
@@ -542,13 +544,15 @@ class ReshardGroup:
             left = t_end - time.monotonic()
             if left <= 0:
                 break
-            ready, not_ready = ray.wait(not_ready, num_returns=1, timeout=left)
+            ready, not_ready = self._wait(not_ready, 1, left)
             if not ready:
                 continue
             i = index[ready[0]]
             try:
-                outcome[i] = (True, ray.get(ready[0]))
+                outcome[i] = (True, self._get(ready[0]))
                 continue
+            except RefitError:
+                raise
             except Exception as e:
                 outcome[i] = (False, e)
             now = time.monotonic()
@@ -606,6 +610,42 @@ class ReshardGroup:
         raise RefitError(f"refit failed in {phase} on "
                          f"{', '.join(f'{s} rank {r}' for s, r in ranks)}: "
                          + "; ".join(messages), ranks)
+
+    def _wait(self, refs, num_returns: int, timeout: float):
+        """ray.wait in slices of at most a second, ending in a RefitError as soon as the
+        group's Ray instance is gone (ray.shutdown() in another thread, a lost connection)."""
+        t_end = time.monotonic() + timeout
+        while True:
+            left = t_end - time.monotonic()
+            try:
+                if not self._ray_alive():
+                    raise SystemExit
+                ready, not_ready = ray.wait(refs, num_returns=num_returns,
+                                            timeout=max(min(left, 1.0), 0.0))
+            except (SystemExit, Exception) as e:
+                if self._ray_alive():
+                    raise
+                raise self._ray_gone() from (None if isinstance(e, SystemExit) else e)
+            if len(ready) >= num_returns or left <= 1.0:
+                return ready, not_ready
+
+    def _get(self, ref):
+        """ray.get of a ready result; a RefitError when the group's Ray instance is gone."""
+        try:
+            return ray.get(ref)
+        except SystemExit:
+            if self._ray_alive():
+                raise
+            raise self._ray_gone() from None
+
+    def _ray_gone(self) -> RefitError:
+        self._broken = "its Ray instance went away during a refit"
+        return RefitError("the refit was cut short: the Ray instance this group was built on "
+                          "went away (ray.shutdown() in another thread, or the driver lost its "
+                          "connection); build a new ReshardGroup after ray.init()",
+                          [(s, r) for s in ("src", "dst")
+                           for r in range(len(self.src_actors if s == "src"
+                                              else self.dst_actors))])
 
     def _abort_members(self, reason: str) -> None:
         """Wake every member blocked in this group's transport (through the group's store)."""
