@@ -54,7 +54,7 @@ import ray_reshard as rr
 
 from ..models import Recipe, hf_parameter_shapes, storage_shapes
 from .engine_views import (WorkerView, current_actor_id, entry, export_tensors, forget,
-                           local_tensors, lookup)
+                           local_tensors)
 
 BACKEND = "ray_reshard"
 FULL = "full:"            # storage name prefix of fallback staging tensors (whole HF tensors)

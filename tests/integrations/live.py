@@ -1,6 +1,6 @@
 """Shared parts of the live-engine tests: tiny models made from configs, trainer actors holding
 Megatron-style or FSDP shards, the transformers reference, vLLM's presence."""
-import json
+import contextlib
 import os
 import shutil
 import sys
@@ -56,20 +56,28 @@ def perturbed(sd, seed, scale=0.05):
     return {n: t + scale * torch.randn(t.shape, generator=g, dtype=t.dtype) for n, t in sd.items()}
 
 
-def reference(model_dir, state_dict, prompts=PROMPTS, max_tokens=MAX_TOKENS):
-    """transformers' greedy generation on `state_dict` (checkpoint names): token ids and the
-    logprob of each chosen token, per prompt."""
+@contextlib.contextmanager
+def checkpoint_of(model_dir, state_dict):
+    """A temporary checkpoint of `state_dict` (checkpoint names) with `model_dir`'s config."""
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
 
-    d = tempfile.mkdtemp(prefix="rr-ref-")
+    d = tempfile.mkdtemp(prefix="rr-ckpt-")
     try:
         shutil.copy(os.path.join(model_dir, "config.json"), d)
         save_file({n: t.contiguous() for n, t in state_dict.items()},
                   os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
-        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+        yield d
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def reference(model_dir, state_dict, prompts=PROMPTS, max_tokens=MAX_TOKENS):
+    """transformers' greedy generation on `state_dict` (checkpoint names): token ids and the
+    logprob of each chosen token, per prompt."""
+    from transformers import AutoModelForCausalLM
+
+    with checkpoint_of(model_dir, state_dict) as d:
+        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     out = []
     for p in prompts:
         g = model.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False,
@@ -81,24 +89,16 @@ def reference(model_dir, state_dict, prompts=PROMPTS, max_tokens=MAX_TOKENS):
 
 
 def fresh_engine_reference(model_dir, state_dict, tp=1, prompts=PROMPTS, max_tokens=MAX_TOKENS):
-    """What vLLM itself serves for `state_dict`: a new engine started from a checkpoint of it
-    (saved beside `model_dir`'s config), its greedy generation."""
-    from safetensors.torch import save_file
-
+    """What vLLM itself serves for `state_dict`: a new engine started from a checkpoint of it,
+    its greedy generation."""
     from ray_reshard.integrations.vllm_engine import generate, start_engine
 
-    d = tempfile.mkdtemp(prefix="rr-fresh-")
-    try:
-        shutil.copy(os.path.join(model_dir, "config.json"), d)
-        save_file({n: t.contiguous() for n, t in state_dict.items()},
-                  os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    with checkpoint_of(model_dir, state_dict) as d:
         engine = start_engine(d, tp=tp)
         try:
             return generate(engine, prompts, max_tokens)
         finally:
             ray.kill(engine)
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def assert_same_generation(got, want, atol=2e-3):
