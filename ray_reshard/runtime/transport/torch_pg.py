@@ -258,8 +258,12 @@ class TorchPGGroup(BaseGroup):
             self._store_silent = (f"the group's store did not answer: process 0 (its host) "
                                   f"stopped answering")
             raise TransportTimeout(f"{what}: {self._store_silent}")
-        if "error" in out:
-            raise out["error"]
+        error = out.pop("error", None)
+        if error is not None:
+            try:
+                raise error
+            finally:        # no cycle through this frame: the caller's frames die with it
+                error = None
         return out.get("value")
 
     # -- backend specifics (overridden by the NCCL variant)
