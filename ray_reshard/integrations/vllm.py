@@ -407,7 +407,10 @@ def plan_specs(config: Any, train, infer, described: list[dict], dtype=torch.bfl
                              f"pp={infer.pp}")
     for r, q in enumerate(quantization or ()):
         _check_quantization(r, q, infer)
-    recipe = Recipe(config, train, infer, hf_experts="split")
+    # HF expert naming of the trainers' storages where they name them (FSDP: transformers'
+    # modules), else the checkpoints' split experts; fallback pieces keep that naming
+    hf_experts = getattr(train, "hf_experts", None) or "split"
+    recipe = Recipe(config, train, infer, hf_experts=hf_experts)
     specs = recipe.specs(dtype, train_dtype)
     dt_name = str(dtype).replace("torch.", "")
     fallback: list[set] = []
@@ -431,7 +434,7 @@ def plan_specs(config: Any, train, infer, described: list[dict], dtype=torch.bfl
     if problems:
         raise ValueError("refit refused before moving any byte:\n  " + "\n  ".join(problems))
     staging: list[dict] = [{} for _ in described]
-    hf_shapes = hf_parameter_shapes(config, hf_experts="split", mtp=True)
+    hf_shapes = hf_parameter_shapes(config, hf_experts=hf_experts, mtp=True)
     for pc in recipe.pieces:
         spec = specs[pc.name]
         if not any(slot.storage in fallback[r] for r, slot in spec.dst_slots):

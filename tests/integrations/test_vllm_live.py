@@ -141,10 +141,12 @@ def test_refused_refit_leaves_the_engine_serving_as_before(live):
         ray.kill(t)
 
 
-@pytest.mark.parametrize("live", [CASES[1]], indirect=True, ids=["qwen3-tp2"])
+@pytest.mark.parametrize("live", [CASES[1], CASES[2]], indirect=True,
+                         ids=["qwen3-tp2", "qwen3_moe-tp1"])
 def test_fsdp2_trainers_refit_a_live_engine(live):
-    """torch FSDP2 trainers (gloo, Hugging Face names) take an optimizer step and refit the
-    engine from their shards; it then generates as transformers does on their full_tensor()."""
+    """torch FSDP2 trainers (gloo, Hugging Face names: transformers' fused experts for MoE) take
+    an optimizer step and refit the engine from their shards; it then generates as transformers
+    does on their full_tensor()."""
     import socket
 
     from ray_reshard.integrations.vllm_engine import generate
