@@ -28,7 +28,7 @@ PY = "python -m"
 SECTIONS = {
     "peers": ("reshard and its peers on the same actors",
               ["ray_reshard", "bench-peers", "--mb", "256", "--repeats", "5"],
-              ["ray_reshard", "bench-peers", "--mb", "16", "--counts", "32,1024",
+              ["ray_reshard", "bench-peers", "--mb", "16", "--counts", "32,64",
                "--repeats", "2"], True),
     "first-refit": ("The first refit at scale (CPU seconds)",
                     ["ray_reshard", "bench-first-refit"],

@@ -71,6 +71,7 @@ def test_spill_fails_loudly():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_report_small_writes_the_page(tmp_path):
     """The page generator in its small mode: every section's command, a table from its output,
     the date, commit and machine."""
