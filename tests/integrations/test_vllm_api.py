@@ -362,3 +362,33 @@ def test_refits_without_a_reload_re_derive_mla_tensors():
     assert sorted(eng.rederived) == [f"model.layers.{l}.self_attn.mla_attn" for l in range(3)]
     for l in range(3):
         assert bool((params[f"model.layers.{l}.self_attn.mla_attn.W_UK_T"] == 6.0).all())
+
+
+def test_trainer_needs_its_local_shards():
+    """Without `tensors`, the trainer takes its shards from a WeightSource's iter_local() (vLLM
+    0.33); a source without it (0.32's iterates gathered full tensors) is refused, naming what
+    to pass, and the trainer engine's constructor fits the installed vLLM's signature."""
+    from ray_reshard.integrations.vllm import RayReshardTrainerEngine, RayReshardTrainerInitInfo
+
+    class FullOnlySource:           # 0.32's WeightSource channels: metadata(), __iter__
+        def metadata(self):
+            return []
+
+        def __iter__(self):
+            return iter(())
+
+    info = RayReshardTrainerInitInfo(rank=1, config=CONFIG, train=TRAIN, infer=INFER)
+    with pytest.raises(ValueError, match="RayReshardTrainerInitInfo.tensors"):
+        RayReshardTrainerEngine.trainer_init(info, client=None, source=FullOnlySource())
+
+    class LocalSource(FullOnlySource):
+        def iter_local(self):
+            return iter([("w", torch.zeros(1))])
+
+    engine = RayReshardTrainerEngine.trainer_init(
+        RayReshardTrainerInitInfo(rank=1, config=CONFIG, train=TRAIN, infer=INFER,
+                                  src_actors=["a0", "a1"], key="local-source"),
+        client=None, source=LocalSource())
+    assert not engine.is_sender and engine.rank == 1
+    from ray_reshard.integrations.engine_views import local_tensors
+    assert set(local_tensors("local-source")) == {"w"}
