@@ -195,7 +195,9 @@ def test_soak_small(address):
     rows = [line.split() for line in out.splitlines() if re.match(r"\s+\d+\s+[0-9.]+\s", line)]
     assert [int(r[0]) for r in rows] == [0, 2, 4]
     assert all(r[9] == "0" for r in rows)           # this group's segments: none left
-    assert re.search(r"VERDICT: (flat|drifting)", out)
+    verdict = re.search(r"VERDICT: (flat|drifting)", out).group(1)
+    # the verdict is what the per-metric lines say: drifting iff some metric drifts
+    assert (verdict == "drifting") == ("DRIFTING" in out), out
 
 
 def test_readme_first_example(tmp_path):
@@ -248,7 +250,8 @@ def test_bench_overlap_small(address):
               "0.05", RAY_RESHARD_CLUSTER_ADDRESS=address).stdout
     blocking, overlapped, _ = figure(r"trainer idle per step: blocking " + NUM + " s, overlapped "
                                      + NUM + r" s \(" + NUM + "x less\\)", out)
-    assert blocking > 0 and overlapped >= 0
+    # overlapping is the point: the trainer waits less than for a blocking refit
+    assert 0 <= overlapped < blocking, out
 
 
 @pytest.mark.slow
