@@ -246,8 +246,8 @@ def test_bench_faults_small(address):
 
 
 def test_bench_overlap_small(address):
-    out = run("-m", "ray_reshard", "bench-overlap", "--mb", "2", "--steps", "1", "--step-s",
-              "0.05", RAY_RESHARD_CLUSTER_ADDRESS=address).stdout
+    out = run("-m", "ray_reshard", "bench-overlap", "--mb", "8", "--steps", "3", "--step-s",
+              "0.2", RAY_RESHARD_CLUSTER_ADDRESS=address).stdout
     blocking, overlapped, _ = figure(r"trainer idle per step: blocking " + NUM + " s, overlapped "
                                      + NUM + r" s \(" + NUM + "x less\\)", out)
     # overlapping is the point: the trainer waits less than for a blocking refit
