@@ -4,8 +4,9 @@
 
 Two source actors on one node, two destination replicas on the other (network and a
 shared-memory ring both used). Each fault is armed in one destination and strikes in the refit's
-one call to it: bad tensors at their lookup (the refit is refused everywhere before any byte
-moves: ValueError), other faults once every process's checks passed (RefitError). The refit is
+one call to it: at the lookup (refused everywhere before any byte moves: a wrong shape is bad
+input, ValueError; a lookup that raises is a fault of that rank, RefitError), or once every
+process's checks passed (RefitError). The refit is
 timed from the call to the error; then update() repairs the group where a fault broke it, and a
 good refit checks it.
 """
@@ -28,14 +29,17 @@ from ray_reshard.testing import Holder, local_cluster
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 FAULTS = {
-    "lookup raises": "the tensor lookup raises: refused (ValueError)",
+    "lookup raises": "the tensor lookup raises: a fault of that rank, refused (RefitError)",
     "wrong shape": "the tensor lookup returns a wrong shape: refused (ValueError)",
     "raise in run": "the run raises once the checks passed (e.g. staging out of memory)",
     "process exit in run": "the process exits (os._exit) once the checks passed",
     "killed before refit": "ray.kill() right before the refit",
     "hung rank": "the process sleeps past the deadline",
 }
-REFUSED = ("lookup raises", "wrong shape")          # bad input: the group stays usable
+REFUSED = ("wrong shape",)                           # bad input: ValueError
+# refused before any byte moves (bad input, or a fault in the actor's own lookup): the group
+# stays usable without update()
+KEEPS_GROUP = ("lookup raises", "wrong shape")
 
 
 def _lookup(actor):
@@ -112,7 +116,7 @@ def measure(timeout_s: float = 10.0, repeats: int = 1) -> dict:
                 if kind in ("process exit in run", "killed before refit", "hung rank"):
                     replacement = new(1, 1)[0]
                     group.update(dst_actors=[group.dst_actors[0], replacement])
-                elif kind not in REFUSED:
+                elif kind not in KEEPS_GROUP:
                     group.update()
                 full = _load(group.src_actors, group.dst_actors, specs, rep + 1)
                 group.refit(specs)
