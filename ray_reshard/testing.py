@@ -4,6 +4,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+from typing import Optional
 
 import ray
 from ray.cluster_utils import Cluster
@@ -12,8 +13,9 @@ from ray.cluster_utils import Cluster
 _SHARED: dict = {}
 
 
-def start_cluster(nodes: int = 2, shared: bool = True):
-    """A local cluster of `nodes` simulated nodes (resource "node<i>" marks node i), connected.
+def start_cluster(nodes: int = 2, shared: bool = True, store_bytes: Optional[int] = None):
+    """A local cluster of `nodes` simulated nodes (resource "node<i>" marks node i), connected;
+    `store_bytes` of object store per node (Ray's default when None; only without `shared`).
 
     With `shared`, one cluster per process is started once and lent out: `shutdown()` on the
     returned handle only disconnects this driver (which ends the job and its actors), and the
@@ -21,7 +23,7 @@ def start_cluster(nodes: int = 2, shared: bool = True):
     goes at interpreter exit (`shutdown_shared`).
     """
     if not shared:
-        cluster = _new_cluster(nodes)
+        cluster = _new_cluster(nodes, store_bytes)
         ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
         return cluster
     if nodes not in _SHARED:
@@ -35,8 +37,9 @@ def start_cluster(nodes: int = 2, shared: bool = True):
 
 
 @contextlib.contextmanager
-def local_cluster(nodes: int = 2):
-    """A private local cluster for a script (demo, benchmarks); stopped on exit.
+def local_cluster(nodes: int = 2, store_bytes: Optional[int] = None):
+    """A private local cluster for a script (demo, benchmarks), `store_bytes` of object store
+    per node (Ray's default when None); stopped on exit.
 
     With RAY_RESHARD_CLUSTER_ADDRESS set (tests running many scripts), the script joins that
     cluster of `start_cluster` instead, and leaves it running.
@@ -49,7 +52,7 @@ def local_cluster(nodes: int = 2):
         finally:
             ray.shutdown()
         return
-    cluster = start_cluster(nodes, shared=False)
+    cluster = start_cluster(nodes, shared=False, store_bytes=store_bytes)
     try:
         yield cluster
     finally:
@@ -80,11 +83,12 @@ def shutdown_shared() -> None:
         _SHARED.popitem()[1].shutdown()
 
 
-def _new_cluster(nodes: int) -> Cluster:
+def _new_cluster(nodes: int, store_bytes: Optional[int] = None) -> Cluster:
+    store = {} if store_bytes is None else {"object_store_memory": store_bytes}
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1,
-                                                            "resources": {"node0": 100}})
+                                                            "resources": {"node0": 100}, **store})
     for i in range(1, nodes):
-        cluster.add_node(num_cpus=1, resources={f"node{i}": 100})
+        cluster.add_node(num_cpus=1, resources={f"node{i}": 100}, **store)
     return cluster
 
 

@@ -8,7 +8,6 @@ counters before and after the timed runs: a run that spilled fails instead of pr
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import platform
 import statistics
@@ -53,41 +52,6 @@ def store_bytes_for(payload_bytes: int) -> int:
     fetched on the receiving one, twice over (one refit's objects may live on while the next
     is created), and never under 512 MiB."""
     return max(MIN_STORE_BYTES, 4 * payload_bytes + 256 * MiB)
-
-
-@contextlib.contextmanager
-def sized_cluster(nodes: int, store_bytes: int):
-    """A private local cluster of `nodes` simulated nodes (resource "node<i>" marks node i),
-    each with `store_bytes` of object store; connected, and stopped on exit.
-
-    With RAY_RESHARD_CLUSTER_ADDRESS set (tests running many scripts), the script joins that
-    cluster instead; `check_store` then tells whether its stores are large enough.
-    """
-    import ray
-
-    address = os.environ.get("RAY_RESHARD_CLUSTER_ADDRESS")
-    if address:
-        ray.init(address=address, include_dashboard=False, log_to_driver=False)
-        try:
-            yield address
-        finally:
-            ray.shutdown()
-        return
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "resources": {"node0": 100}, "object_store_memory": store_bytes})
-    try:
-        for i in range(1, nodes):
-            cluster.add_node(num_cpus=1, resources={f"node{i}": 100},
-                             object_store_memory=store_bytes)
-        ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
-        try:
-            yield cluster.address
-        finally:
-            ray.shutdown()
-    finally:
-        cluster.shutdown()
 
 
 def store_capacity() -> dict:

@@ -29,13 +29,13 @@ the figures.
 from __future__ import annotations
 
 import json
-import statistics
 import time
 
 import torch
 
 from ..cli_args import Parser, output_file
-from .harness import MiB, SpillCheck, Spread, check_store, machine_facts, sized_cluster, \
+from ..testing import local_cluster
+from .harness import MiB, SpillCheck, Spread, check_store, machine_facts, \
     store_bytes_for
 
 COLS = 1024
@@ -131,7 +131,8 @@ def measure(mb: int, counts: list, repeats: int, bucket_mb: int = 16,
     out = {"mb": mb, "repeats": repeats, "bucket_mb": bucket_mb, "counts": {},
            "layout": "TP4 (4 actors, node 0) -> TP2 x DP2 (4 actors, node 1), fp32",
            "machine": machine_facts()}
-    with sized_cluster(2, store) as address:
+    with local_cluster(2, store_bytes=store):
+        address = ray.get_runtime_context().gcs_address
         # the fetched copies of the whole payload on the destination node, with room to spare
         out["store_bytes_per_node"] = check_store(2 * payload)
         Holder = _holder_class()

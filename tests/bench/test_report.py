@@ -54,12 +54,13 @@ def test_spill_fails_loudly():
     import numpy as np
     import ray
 
-    from ray_reshard.bench.harness import SpillCheck, sized_cluster
+    from ray_reshard.bench.harness import SpillCheck
+    from ray_reshard.testing import local_cluster
 
     env = os.environ.pop("RAY_RESHARD_CLUSTER_ADDRESS", None)
     try:
-        with sized_cluster(1, 80 * MiB) as address:
-            check = SpillCheck(address)
+        with local_cluster(1, store_bytes=80 * MiB):
+            check = SpillCheck(ray.get_runtime_context().gcs_address)
             assert check.check("nothing yet") == {"spilled_bytes": 0, "restored_bytes": 0}
             refs = [ray.put(np.ones(30 * MiB, dtype=np.uint8)) for _ in range(5)]
             with pytest.raises(RuntimeError, match="spilled"):
