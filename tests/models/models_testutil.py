@@ -156,3 +156,22 @@ def check_logits(cfg, model, hf_sd, dtype=torch.float32):
     fresh = type(model)(cfg).eval()
     fresh.load_state_dict({k: v.to(sd[k].dtype) for k, v in hf_sd.items()}, strict=True)
     assert torch.equal(logits(fresh), logits(ref))
+
+
+def split_experts(sd: dict) -> dict:
+    """A fused-experts state dict (transformers >= 5) with one 2-d tensor per expert and
+    projection (transformers 4, checkpoints)."""
+    out = {}
+    for n, t in sd.items():
+        if n.endswith("experts.gate_up_proj"):
+            pre, I = n[: -len("gate_up_proj")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{pre}{e}.gate_proj.weight"] = t[e, :I]
+                out[f"{pre}{e}.up_proj.weight"] = t[e, I:]
+        elif n.endswith("experts.down_proj"):
+            pre = n[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{pre}{e}.down_proj.weight"] = t[e]
+        else:
+            out[n] = t
+    return out

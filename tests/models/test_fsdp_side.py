@@ -21,7 +21,7 @@ from ray_reshard.models import (FSDP, VLLM, Megatron, empty_storage, enumerate_p
                                 fsdp_local_tensors, local_state, model_dims, padding_mask,
                                 refit_specs, storage_shapes)
 from engine_reference import reference_state
-from models_testutil import make_model
+from models_testutil import make_model, split_experts
 
 SENTINEL = 7.0
 ROUTER_BIAS = "e_score_correction_bias"
@@ -62,25 +62,6 @@ def fsdp_reference(model, shard: int, replicate: int, rank: int, sd=None) -> dic
             out[n] = t.detach().float()
         else:
             out[n] = fsdp_chunk(t.detach(), shard, rank % shard)
-    return out
-
-
-def split_experts(sd: dict) -> dict:
-    """A fused-experts state dict (transformers >= 5) with one 2-d tensor per expert and
-    projection (transformers 4, checkpoints)."""
-    out = {}
-    for n, t in sd.items():
-        if n.endswith("experts.gate_up_proj"):
-            pre, I = n[: -len("gate_up_proj")], t.shape[1] // 2
-            for e in range(t.shape[0]):
-                out[f"{pre}{e}.gate_proj.weight"] = t[e, :I]
-                out[f"{pre}{e}.up_proj.weight"] = t[e, I:]
-        elif n.endswith("experts.down_proj"):
-            pre = n[: -len("down_proj")]
-            for e in range(t.shape[0]):
-                out[f"{pre}{e}.down_proj.weight"] = t[e]
-        else:
-            out[n] = t
     return out
 
 

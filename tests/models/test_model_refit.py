@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ray_reshard.models import VLLM, Megatron, refit_specs, storage_shapes
-from models_testutil import check_logits, make_model, run_refit
+from models_testutil import check_logits, make_model, run_refit, split_experts
 
 CASES = [
     # id, family, config overrides, train, infer, dtype, train dtype
@@ -60,19 +60,7 @@ def test_split_expert_naming_matches_checkpoints():
     """hf_experts="split": logical experts are the checkpoint's per-expert 2-d tensors."""
     cfg, model = make_model("qwen3_moe")
     sd = dict(model.state_dict())
-    split = {}
-    for k, v in sd.items():
-        if k.endswith("mlp.experts.gate_up_proj"):
-            pre, I = k[: -len("gate_up_proj")], v.shape[1] // 2
-            for e in range(v.shape[0]):
-                split[f"{pre}{e}.gate_proj.weight"] = v[e, :I]
-                split[f"{pre}{e}.up_proj.weight"] = v[e, I:]
-        elif k.endswith("mlp.experts.down_proj"):
-            pre = k[: -len("down_proj")]
-            for e in range(v.shape[0]):
-                split[f"{pre}{e}.down_proj.weight"] = v[e]
-        else:
-            split[k] = v
+    split = split_experts(sd)
     train, infer = Megatron(tp=2, ep=2, dp=2), VLLM(tp=2, ep=2, dp=2)
     specs = refit_specs(cfg, train, infer, hf_experts="split")
     assert "model.layers.0.mlp.experts.3.up_proj.weight" in specs
