@@ -52,7 +52,7 @@ from vllm.distributed.weight_transfer.base import (TrainerInitInfo, TrainerWeigh
 
 import ray_reshard as rr
 
-from ..models import Recipe, hf_parameter_shapes, storage_shapes
+from ..models import Recipe, hf_parameter_shapes
 from .engine_views import (WorkerView, current_actor_id, entry, export_tensors, forget,
                            local_tensors)
 
@@ -206,7 +206,7 @@ class RayReshardWeightTransferEngine(WeightTransferEngine[RayReshardInitInfo, Ra
         point elsewhere, the tensors remembered here keep the memory the forward pass reads."""
         quantized = self._quantized()
         lm_head = getattr(self.model, "lm_head", None)
-        out, exposed = {}, {}
+        out, exposed, fallback_modules = {}, {}, set()
         for mod_name, module in self.model.named_modules():
             params = list(module.named_parameters(recurse=False))
             is_head = module is lm_head or type(module).__name__ == "ParallelLMHead"
@@ -222,8 +222,8 @@ class RayReshardWeightTransferEngine(WeightTransferEngine[RayReshardInitInfo, Ra
                 if why is None:
                     exposed[name] = writable(p.data)
             if first is not None:
-                self._fallback_modules.add(mod_name)
-        self.exposed = exposed
+                fallback_modules.add(mod_name)
+        self.exposed, self._fallback_modules = exposed, fallback_modules
         return out
 
     def configure(self, staging: Mapping[str, tuple]) -> None:
@@ -417,7 +417,8 @@ def plan_specs(config: Any, train, infer, described: list[dict], dtype=torch.bfl
     problems = []
     for r, desc in enumerate(described):
         bad = set()
-        for name, shape in storage_shapes(config, infer, r).items():
+        for name, decl in recipe.dst.storages(r).items():
+            shape = decl.shape
             got = desc.get(name)
             if got is None:
                 problems.append(f"vLLM worker {r}: no parameter {name!r} (expected shape "
