@@ -6,7 +6,9 @@
   Hugging Face tensors, and loads them into every worker with ``collective_rpc`` (vLLM's
   layerwise reload around ``load_weights``).
 
-Both run `--repeats` times after one warm-up; the figures are medians (and min-max). Bytes are
+Both run `--repeats` times after one warm-up, taking turns; the figures are medians (and
+min-max). The run fails if Ray's object store spilled (the baseline's tensors go through it).
+Bytes are
 what crosses a process boundary: ray-reshard's by path from its RefitResult; the baseline's
 gather (shards of the other ranks to rank 0) plus the full model handed to each worker. After
 each method the engine's greedy generation is compared with the other's: both must serve the
@@ -25,6 +27,7 @@ import ray
 import torch
 
 from ..cli_args import Parser, positive_int
+from .harness import SpillCheck
 
 PROMPTS = [[1, 2, 3, 4], [7, 8, 9]]
 
@@ -111,6 +114,7 @@ def main(argv=None) -> int:
     if started:
         ray.init(address="local", include_dashboard=False, log_to_driver=False)
     try:
+        spill = SpillCheck(ray.get_runtime_context().gcs_address)
         path = tempfile.mkdtemp(prefix="bench-vllm-")
         sd = write_model(cfg, path, seed=0)
         engine = start_engine(path, tp=args.tp)
@@ -134,6 +138,7 @@ def main(argv=None) -> int:
                 ours.append(r)
                 base.append(b)
         ray.get([t.close.remote() for t in trainers])
+        spill.check("bench-vllm")
     finally:
         if started:
             ray.shutdown()
@@ -144,7 +149,7 @@ def main(argv=None) -> int:
     t_ours, t_base = [x[0] for x in ours], [x[0] for x in base]
     print(f"live vLLM engine refit: Qwen3-style {args.layers} layers, hidden {args.hidden}, "
           f"{model_mb:.1f} MB fp32; trainers Megatron TP2 -> engine TP{args.tp}; "
-          f"medians of {args.repeats} after a warm-up")
+          f"medians of {args.repeats} after a warm-up; the object store spilled nothing")
     print(f"  ray-reshard (vLLM weight-transfer API)   {_spread(t_ours)}, "
           f"{our_bytes / 1e6:.1f} MB moved ({', '.join(f'{k} {v / 1e6:.1f}' for k, v in sorted(ours[-1][1].items()))})")
     print(f"  gather on rank 0 + collective_rpc load   {_spread(t_base)}, "
