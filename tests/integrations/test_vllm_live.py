@@ -30,9 +30,9 @@ CONFIGS = {"qwen3": QWEN3, "qwen3_moe": QWEN3_MOE, "deepseek_v3": DEEPSEEK_V3}
 # Weights to refit: the checkpoint's plus noise of this scale.
 SCALE = {"qwen3": 0.05, "qwen3_moe": 0.05, "deepseek_v3": 0.3}
 # DeepSeek-V3 on vLLM's CPU build does not generate as transformers does, whoever loads the
-# weights (a new engine started from the checkpoint differs from transformers by over 1 in
-# logprob at these weights): its reference is a new vLLM engine started from the same weights,
-# which the refit engine must equal exactly (token ids and logprobs).
+# weights (a new engine started from the checkpoint does not match transformers' tokens at these
+# weights): its reference is a new vLLM engine started from the same weights, which the refit
+# engine must equal exactly (token ids and logprobs).
 FRESH_ENGINE_REFERENCE = {"deepseek_v3"}
 
 
