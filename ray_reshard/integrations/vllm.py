@@ -351,15 +351,21 @@ def _worker_engine(worker, key: str) -> RayReshardWeightTransferEngine:
     return eng
 
 
+def _own_actor(engine_actor_id):
+    """This worker's handle when it is a Ray actor other than the engine's (a ReshardGroup
+    reaches it directly), else None (it is reached through a WorkerView)."""
+    me = current_actor_id()
+    if me is None or me == engine_actor_id:
+        return None
+    return ray.get_runtime_context().current_actor
+
+
 def _worker_describe(worker, key: str, engine_actor_id) -> dict:
-    """A worker's description, and how a ReshardGroup reaches it: its own actor handle when it
-    is a Ray actor other than the engine's, else its in-place tensors exported for a view."""
+    """A worker's description, and how a ReshardGroup reaches it: its own actor handle, or its
+    in-place tensors exported for a view."""
     eng = _worker_engine(worker, key)
     described = eng.describe()
-    me = current_actor_id()
-    handle = None
-    if me is not None and me != engine_actor_id:
-        handle = ray.get_runtime_context().current_actor
+    handle = _own_actor(engine_actor_id)
     return {"describe": described, "quantization": eng.quantization(),
             "parallel": eng.parallel(), "handle": handle,
             "exported": None if handle is not None else export_tensors(eng.exposed)}
@@ -369,8 +375,7 @@ def _worker_configure(worker, key: str, staging_by_rank: list, engine_actor_id) 
     """Allocate a worker's staging tensors; exported for its view unless it is a Ray actor."""
     eng = _worker_engine(worker, key)
     eng.configure(staging_by_rank[int(getattr(worker, "rank", 0))])
-    me = current_actor_id()
-    if me is not None and me != engine_actor_id:
+    if _own_actor(engine_actor_id) is not None:
         return None
     return export_tensors({FULL + n: t for n, t in eng.staging.items()})
 
