@@ -43,12 +43,27 @@ def start_engine(model: str, *, tp: int = 1, dtype: str = "float32", max_model_l
                   weight_transfer_config=WeightTransferConfig(backend=backend))
     if tp > 1:
         kwargs["distributed_executor_backend"] = "mp"
+    if dtype not in ("bfloat16", "auto") and _uses_mla(model) and \
+            "attention_backend" not in llm_kwargs and "attention_config" not in llm_kwargs:
+        # vLLM prefers its AMX MLA kernels on CPUs with AMX tiles, which take bf16 weights
+        # only; its reference CPU MLA takes any dtype.
+        kwargs["attention_backend"] = "CPU_MLA"
     kwargs.update(llm_kwargs)
     opts = {"num_cpus": 0, "runtime_env": {"env_vars": env}}
     opts.update(options or {})
     engine = ray.remote(LLM).options(**opts).remote(**kwargs)
     ray.get(engine.__ray_call__.remote(_ready))
     return engine
+
+
+def _uses_mla(model: str) -> bool:
+    """Whether the HF config in directory `model` is an MLA model (DeepSeek-style)."""
+    import json
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            return bool(json.load(f).get("kv_lora_rank"))
+    except (OSError, ValueError):
+        return False
 
 
 def _ready(llm) -> bool:

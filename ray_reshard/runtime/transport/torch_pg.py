@@ -53,7 +53,7 @@ from ray.util.collective.collective_group.base_collective_group import BaseGroup
 from ...errors import TransportError, TransportTimeout
 
 __all__ = ["TorchPGGroup", "TorchNCCLGroup", "Pending", "wait", "abort_group", "ensure_registered",
-           "backend_name", "ABORT_POLL_S", "NCCL_GROUP_ENV"]
+           "backend_name", "ABORT_POLL_S", "LATE_STORE_CHECK_S", "NCCL_GROUP_ENV"]
 
 _KV_PREFIX = "ray_reshard_store:"
 DEFAULT_OP_TIMEOUT_S = 1800.0
@@ -68,6 +68,9 @@ ABORT_POLL_S = 0.2
 # of a member's own thread runs in a helper thread it waits for at most this long (or until
 # the refit's deadline, for a vote); see `TorchPGGroup._bounded`.
 STORE_OP_TIMEOUT_S = 2.0
+# Once a wait's deadline passed, how long a member still asks the store for an abort another
+# member wrote (a frozen host makes this the moment it reports the store silent).
+LATE_STORE_CHECK_S = 0.5
 _ABORT_KEY = "rr_abort"
 _BREAK_TAG = 0x5252_0000          # a gloo tag no message uses: the watcher's 1 ms receive
 # Set while our ProcessGroupNCCL objects are built (torch reads them in the constructor).
@@ -439,7 +442,8 @@ class TorchPGGroup(BaseGroup):
             # A peer that aborted closed its connections first: read its reason (briefly once
             # the deadline passed: the timeout is then the error, and the caller's deadline
             # is not to be stretched by a store that does not answer).
-            self._check_store(0.5 if time.monotonic() >= deadline else STORE_OP_TIMEOUT_S)
+            self._check_store(LATE_STORE_CHECK_S if time.monotonic() >= deadline
+                              else STORE_OP_TIMEOUT_S)
             self._raise_if_aborted(what)
             raise _transport_error(what, e) from None
         self._raise_if_aborted(what)
