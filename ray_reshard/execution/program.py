@@ -328,6 +328,9 @@ class Step:
     after: Optional[tuple]        # sending a forward: key of the network bucket that brought it
     send: Optional[Part] = None   # the packing side (SEND, COPY)
     recv: Optional[Part] = None   # the unpacking side (RECV, COPY)
+    # Whether a receiver's packed regions are the bytes it received (no item lands in a
+    # buffer quantised later, see quant.Finisher): a delta refit may send it as a delta.
+    delta_ok: bool = True
 
 
 @dataclass
@@ -438,15 +441,22 @@ def _auto_engine(views: Sequence[torch.Tensor]):
 
 
 def _part(plan: Plan, t: Transfer, side: str, rank: int, held_index: dict, held: list,
-          info: dict, finishers: list) -> Part:
+          info: dict, finishers: list, geometry: dict) -> Part:
+    """`t`'s items on one side. `geometry` caches (slices, sizes, numel) per (box object, shard
+    origin) for one compile: a share reuses a few dozen boxes across tens of thousands of items
+    (the planner shares the pieces of like tensors), and the transfers keep them alive."""
     hs, sl, shapes, numels, wire, offs, nbs = [], [], [], [], [], [], []
     quant = None
     off = 0
+    got_side = info.get((side, rank))
+    if got_side is None:
+        got_side = info[(side, rank)] = ({}, {})
+    shard_info, origins = got_side
     for it in t.items:
         ti = it.tensor
-        k = (side, rank, ti)
-        got = info.get(k)
+        got = shard_info.get(ti)
         if got is None:
+            k = (side, rank, ti)
             spec = plan.specs[ti]
             h = held_index[k] = len(held)
             held.append(k)
@@ -464,8 +474,12 @@ def _part(plan: Plan, t: Transfer, side: str, rank: int, held_index: dict, held:
                         held.append(f.keys[j])
                     h = f.held[2]
                     finishers.append(f)
-            got = info[k] = (h, spec.layout(side).box(rank, spec.shape).offsets,
-                             spec.dtype if ctx is None else ctx.wire_dtype, spec.itemsize, ctx)
+            lay = spec.layout(side)
+            origin = origins.get((id(lay), spec.shape))
+            if origin is None:
+                origin = origins[(id(lay), spec.shape)] = lay.box(rank, spec.shape).offsets
+            got = shard_info[ti] = (h, origin, spec.dtype if ctx is None else ctx.wire_dtype,
+                                    spec.itemsize, ctx)
         h, origin, dtype, size, ctx = got
         box = it.box
         if ctx is not None:
@@ -475,13 +489,20 @@ def _part(plan: Plan, t: Transfer, side: str, rank: int, held_index: dict, held:
             quant.append(qi)
         elif quant is not None:
             quant.append(UNALIGNED if off % size else None)
-        sizes = box.sizes
+        geo = geometry.get((id(box), origin)) if ctx is None else None
+        if geo is None:
+            sizes = box.sizes
+            n = 1
+            for x in sizes:
+                n *= x
+            geo = (tuple([slice(a - o, a - o + m) for a, o, m in zip(box.offsets, origin, sizes)]),
+                   sizes, n)
+            if ctx is None:
+                geometry[(id(box), origin)] = geo
         hs.append(h)
-        sl.append(tuple([slice(a - o, a - o + n) for a, o, n in zip(box.offsets, origin, sizes)]))
-        shapes.append(sizes)
-        n = 1
-        for x in sizes:
-            n *= x
+        sl.append(geo[0])
+        shapes.append(geo[1])
+        n = geo[2]
         numels.append(n)
         wire.append(dtype)
         offs.append(off)
@@ -509,24 +530,30 @@ def compile_program(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int
         proc_of = _Procs(n_src)
     if transfers is None:
         transfers = build_share(plan, mine, bucket_bytes)
-    with gc_paused():            # one object per item and slice, all acyclic
+    with gc_paused(keep=True):   # one object per item and slice, all acyclic, kept
         return _compile(plan, mine, bucket_bytes, proc_of, transfers, per_item_bytes)
 
 
 def _compile(plan, mine, bucket_bytes, proc_of, transfers, per_item_bytes) -> Program:
     held: list = []
     held_index: dict = {}
-    info: dict = {}              # (side, rank, tensor) -> (held index, origin, dtype, itemsize, ..)
+    # (side, rank) -> ({tensor: (held index, shard origin, dtype, itemsize, quant context)},
+    #                  {(layout id, shape): shard origin})
+    info: dict = {}
     finishers: list = []         # block-FP8 shards quantised here once received (quant.Finisher)
+    geometry: dict = {}          # see _part
     steps = []
     ring: dict = {}
+    # Tensors whose destinations quantise what they receive (see quant.Finisher).
+    widened = {i for i, spec in enumerate(plan.specs)
+               if spec.quant is not None and not _quant.on_grid(spec)}
     for t in transfers:
         dst_ep = Endpoint("dst", t.dst)
         here_send, here_recv = t.src in mine, dst_ep in mine
         after = parent_key(t) if (here_send and t.src.side == "dst") else None
-        send = (_part(plan, t, t.src.side, t.src.rank, held_index, held, info, finishers)
-                if here_send else None)
-        recv = (_part(plan, t, "dst", t.dst, held_index, held, info, finishers)
+        send = (_part(plan, t, t.src.side, t.src.rank, held_index, held, info, finishers,
+                      geometry) if here_send else None)
+        recv = (_part(plan, t, "dst", t.dst, held_index, held, info, finishers, geometry)
                 if here_recv else None)
         if here_send and here_recv:
             kind, peer = COPY, -1
@@ -539,7 +566,8 @@ def _compile(plan, mine, bucket_bytes, proc_of, transfers, per_item_bytes) -> Pr
         part = send if send is not None else recv
         whole = (per_item_bytes is not None and t.path == NETWORK
                  and min(part.item_bytes) >= per_item_bytes)
-        steps.append(Step(kind, t.key, t.path, peer, t.nbytes, whole, after, send, recv))
+        exact = not widened or not any(it.tensor in widened for it in t.items)
+        steps.append(Step(kind, t.key, t.path, peer, t.nbytes, whole, after, send, recv, exact))
     return Program(held, steps, bucket_bytes, ring, finishers=finishers,
                    round_len=max(plan.topology.n_src, plan.topology.n_dst))
 

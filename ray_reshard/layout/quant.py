@@ -207,7 +207,7 @@ def wire_nbytes(spec) -> int:
 
 
 def check_spec(spec) -> None:
-    """Field checks at construction (TensorSpec.__post_init__)."""
+    """Field checks at construction (TensorSpec.__init__)."""
     q = spec.quant
     if not isinstance(q, BlockFP8):
         raise TypeError(f"quant must be a BlockFP8, got {type(q).__name__}")

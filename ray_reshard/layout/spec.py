@@ -13,7 +13,7 @@ import torch
 from .layout import Layout, LayoutUnion
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Slot:
     """Where a rank keeps its shard of a logical tensor inside a local storage tensor.
 
@@ -26,6 +26,12 @@ class Slot:
     index: tuple[int, ...] = ()
     dim: Optional[int] = None
     offset: int = 0
+
+    def __init__(self, storage: str, index: tuple[int, ...] = (), dim: Optional[int] = None,
+                 offset: int = 0):
+        # One dict update instead of a frozen dataclass's setattr per field: model recipes
+        # build one Slot per tensor and side (tens of thousands).
+        self.__dict__.update(storage=storage, index=index, dim=dim, offset=offset)
 
     def view(self, storage: torch.Tensor, shard_shape: Sequence[int]) -> torch.Tensor:
         t = storage
@@ -82,11 +88,17 @@ class Slots:
         return cls(ranks, None, slots)
 
     def _load(self) -> None:
-        columns, i = self._columns, self._row
+        (columns, positions), i = self._columns, self._row
         self._columns = None
-        self._ranks = columns[0][columns[3][i]]
+        k = columns[3][i]
+        self._ranks = columns[0][k]
         self._slot = _slot_from_columns(columns, i)
         self._slots = None
+        # rank -> position, once per distinct rank tuple of the columns (not hashed per table)
+        at = positions[k]
+        if at is None:
+            at = positions[k] = _rank_positions(self._ranks)
+        self._at = at
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -147,7 +159,13 @@ class Slots:
         h = self._hash
         if h is None:
             r = self.ranks
-            h = self._hash = hash((len(r), r[:1], r[-1:], self._slot, self._slots))
+            slot = self._slot
+            if slot is None:
+                h = hash((len(r), r[:1], r[-1:], self._slots))
+            else:           # the Slot's fields: one tuple, no call to the Slot's own hash
+                h = hash((len(r), r[:1], r[-1:], slot.storage, slot.index, slot.dim,
+                          slot.offset))
+            self._hash = h
         return h
 
     def __reduce__(self):
@@ -185,22 +203,38 @@ def pack_slot_tables(tables: Sequence[Optional[Slots]]) -> tuple:
     index_at: dict = {}
     rk, st, ix, dm, off = array("i"), array("i"), array("i"), array("i"), array("q")
     whole: dict = {}
+    # bound methods and plain attribute reads: this runs once per tensor and side
+    rk_add, st_add, ix_add, dm_add, off_add = rk.append, st.append, ix.append, dm.append, \
+        off.append
+    ranks_get, names_get, index_get = ranks_at.get, names_at.get, index_at.get
     for i, t in enumerate(tables):
-        slot = None if t is None else t.uniform
+        if t is None:
+            slot = None
+        else:
+            if t._columns is not None:
+                t._load()
+            slot = t._slot
         if slot is None:
             if t is not None:
                 whole[i] = t
-            rk.append(-1), st.append(0), ix.append(0), dm.append(-1), off.append(0)
+            rk_add(-1), st_add(0), ix_add(0), dm_add(-1), off_add(0)
             continue
-        ranks = t.ranks
-        r = ranks_at.get(id(ranks))
+        ranks = t._ranks
+        r = ranks_get(id(ranks))
         if r is None:
             r = ranks_at[id(ranks)] = (len(ranks_at), ranks)
-        rk.append(r[0])
-        st.append(names_at.setdefault(slot.storage, len(names_at)))
-        ix.append(index_at.setdefault(slot.index, len(index_at)))
-        dm.append(-1 if slot.dim is None else slot.dim)
-        off.append(slot.offset)
+        rk_add(r[0])
+        name, index, dim = slot.storage, slot.index, slot.dim
+        n = names_get(name)
+        if n is None:
+            n = names_at[name] = len(names_at)
+        st_add(n)
+        n = index_get(index)
+        if n is None:
+            n = index_at[index] = len(index_at)
+        ix_add(n)
+        dm_add(-1 if dim is None else dim)
+        off_add(slot.offset)
     return ([r for _, r in ranks_at.values()], list(names_at), list(index_at), rk, st, ix, dm,
             off, whole)
 
@@ -208,6 +242,7 @@ def pack_slot_tables(tables: Sequence[Optional[Slots]]) -> tuple:
 def unpack_slot_tables(columns) -> list[Optional[Slots]]:
     """The tables of `pack_slot_tables` (each uniform one builds its Slot on first use)."""
     rk, whole = columns[3], columns[8]
+    lazy = (columns, [None] * len(columns[0]))    # and each rank tuple's positions, once built
     out = []
     append = out.append
     for i, r in enumerate(rk):
@@ -215,7 +250,7 @@ def unpack_slot_tables(columns) -> list[Optional[Slots]]:
             append(whole.get(i))
             continue
         t = _new(Slots)
-        t._columns = columns
+        t._columns = lazy
         t._row = i
         t._hash = t._at = None
         append(t)
@@ -228,7 +263,7 @@ def _freeze_slots(slots) -> Optional[Slots]:
     return Slots.from_pairs(slots)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class TensorSpec:
     """A logical tensor: global `shape`, destination `dtype`, and its source/destination layouts
     (`dst` may be a `LayoutUnion`: several destination groups, each with its own layout).
@@ -251,42 +286,56 @@ class TensorSpec:
     dst_slots: Optional[Slots] = field(default=None)
     quant: Optional[Any] = None
 
-    def __post_init__(self):
-        shape = self.shape
-        if isinstance(shape, torch.Size):
-            shape = tuple(shape)
-        if not isinstance(shape, (tuple, list)):
-            raise TypeError(f"shape must be a tuple of ints, got {shape!r}")
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, src: Layout,
+                 dst: Layout | LayoutUnion, src_dtype: Optional[torch.dtype] = None,
+                 src_slots: Optional[Slots] = None, dst_slots: Optional[Slots] = None,
+                 quant: Optional[Any] = None):
+        # One dict update instead of a frozen dataclass's setattr per field: model recipes
+        # build tens of thousands of specs.
+        d = self.__dict__
+        d.update(shape=shape, dtype=dtype, src=src, dst=dst, src_dtype=src_dtype,
+                 src_slots=src_slots, dst_slots=dst_slots, quant=quant)
         if type(shape) is not tuple or not all([type(s) is int and s >= 0 for s in shape]):
-            for s in shape:
-                if isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 0:
-                    raise ValueError(f"shape {tuple(shape)} must hold non-negative ints, "
-                                     f"got {s!r}")
-            object.__setattr__(self, "shape", tuple(int(s) for s in shape))
-        if not isinstance(self.dtype, torch.dtype):
-            raise TypeError(f"dtype must be a torch.dtype, got {self.dtype!r}")
-        if self.src_dtype is not None and not isinstance(self.src_dtype, torch.dtype):
-            raise TypeError(f"src_dtype must be a torch.dtype, got {self.src_dtype!r}")
-        if not _copyable(self.source_dtype, self.dtype):
-            what = (f"from {self.source_dtype} to {self.dtype}" if self.source_dtype != self.dtype
-                    else f"of {self.dtype}")
+            self._check_shape()
+        if type(dtype) is not torch.dtype and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+        if src_dtype is not None and not isinstance(src_dtype, torch.dtype):
+            raise TypeError(f"src_dtype must be a torch.dtype, got {src_dtype!r}")
+        source = dtype if src_dtype is None else src_dtype
+        if not (_COPYABLE.get((source, dtype)) or _copyable(source, dtype)):
+            what = (f"from {source} to {dtype}" if source != dtype else f"of {dtype}")
             raise ValueError(f"torch cannot copy tensors {what} (no copy kernel), so no refit "
                              f"can move them; use a dtype torch converts (e.g. convert on the "
                              f"trainer first)")
-        if not isinstance(self.src, Layout):
+        if type(src) is not Layout and not isinstance(src, Layout):
             hint = (" (several destination groups take a LayoutUnion as dst; sources take one "
-                    "Layout)" if isinstance(self.src, LayoutUnion) else "")
-            raise TypeError(f"src must be a Layout, got {type(self.src).__name__}{hint}")
-        if not isinstance(self.dst, (Layout, LayoutUnion)):
-            raise TypeError(f"dst must be a Layout or LayoutUnion, got {type(self.dst).__name__}")
-        object.__setattr__(self, "src_slots", _freeze_slots(self.src_slots))
-        object.__setattr__(self, "dst_slots", _freeze_slots(self.dst_slots))
-        if self.quant is not None:
+                    "Layout)" if isinstance(src, LayoutUnion) else "")
+            raise TypeError(f"src must be a Layout, got {type(src).__name__}{hint}")
+        if type(dst) is not Layout and not isinstance(dst, (Layout, LayoutUnion)):
+            raise TypeError(f"dst must be a Layout or LayoutUnion, got {type(dst).__name__}")
+        if src_slots is not None and type(src_slots) is not Slots:
+            d["src_slots"] = _freeze_slots(src_slots)
+        if dst_slots is not None and type(dst_slots) is not Slots:
+            d["dst_slots"] = _freeze_slots(dst_slots)
+        if quant is not None:
             _quant().check_spec(self)
         try:
             hash(self)    # cached now: computing it later, at a refit, allocates per spec
         except TypeError:
             pass          # an unhashable field (e.g. a list as Slot index): fails when hashed
+
+    def _check_shape(self) -> None:
+        """Raise unless `shape` is a sequence of non-negative ints; keep it as a tuple."""
+        shape = self.shape
+        if isinstance(shape, torch.Size):
+            shape = tuple(shape)
+        if not isinstance(shape, (tuple, list)):
+            raise TypeError(f"shape must be a tuple of ints, got {shape!r}")
+        for s in shape:
+            if isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 0:
+                raise ValueError(f"shape {tuple(shape)} must hold non-negative ints, "
+                                 f"got {s!r}")
+        self.__dict__["shape"] = tuple(int(s) for s in shape)
 
     @property
     def source_dtype(self) -> torch.dtype:
@@ -324,7 +373,7 @@ class TensorSpec:
 
     def slot(self, side: str, rank: int, name: str) -> Slot:
         slots = self.src_slots if side == "src" else self.dst_slots
-        if slots:
+        if slots is not None:
             s = slots.get(rank)
             if s is not None:
                 return s

@@ -340,6 +340,8 @@ class MegatronSide(EngineSide):
     # placement ---------------------------------------------------------------------------
     def _place(self, pc: Piece):
         d, par, k = self.d, self.par, pc.kind
+        if k in ("e_gate", "e_up", "e_down"):       # most pieces of a MoE model: first
+            return self._place_expert(pc, self._stage_of(pc.layer))
         last = par.pp - 1
         g = self.store_name
         if k == "embed":
@@ -394,23 +396,25 @@ class MegatronSide(EngineSide):
             return self._same(self._shard(grid, 0), Slot(n("sh_fc1" if shared else "fc1"), dim=0, offset=off))
         if k in ("down", "sh_down"):
             return self._same(self._shard(grid, 1), Slot(n("sh_fc2" if k == "sh_down" else "fc2")))
-        if k in ("e_gate", "e_up", "e_down"):
-            return self._place_expert(pc, s)
         raise ValueError(f"Megatron: no placement for piece kind {k!r} ({pc.name})")
 
     def _place_expert(self, pc: Piece, s: int):
         par, k = self.par, pc.kind
-        grid = self.expert_grid(s)                # [edp, ep, etp]
         fc = "e_fc2" if k == "e_down" else "e_fc1"
         off = self.d.moe_intermediate // par.expert_tp if k == "e_up" else 0
         if pc.expert is None:
             if par.experts != "stacked":
                 raise AssertionError("stacked expert piece on a per-expert storage")
             store = self.store_name((fc, None), pc.layer)
-            lay = self._layout(grid, (Replicate(), Shard(0), Shard(2 if k == "e_down" else 1)))
+            lay = self._layout(self.expert_grid(s),          # [edp, ep, etp]
+                               (Replicate(), Shard(0), Shard(2 if k == "e_down" else 1)))
             return self._same(lay, Slot(store) if k == "e_down" else Slot(store, dim=1, offset=off))
         p, i = divmod(pc.expert, self.experts_local)
-        lay = self._shard(grid[:, p, :], 1 if k == "e_down" else 0)
+        tdim = 1 if k == "e_down" else 0
+        # one layout per (stage, EP rank, sharded dim), shared by its experts of every layer
+        lay = self._expert_layouts.get((s, p, tdim))
+        if lay is None:
+            lay = self._expert_layouts[(s, p, tdim)] = self._shard(self.expert_grid(s)[:, p, :], tdim)
         if par.experts == "stacked":
             store, index = self.store_name((fc, None), pc.layer), (i,)
         else:

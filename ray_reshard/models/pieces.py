@@ -26,7 +26,7 @@ from ..layout.spec import Slot
 from .config import ModelDims
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Piece:
     name: str
     hf: str
@@ -39,6 +39,15 @@ class Piece:
     index: tuple[int, ...] = ()
     dim: Optional[int] = None
     offset: int = 0
+
+    def __init__(self, name: str, hf: str, shape: tuple[int, ...], kind: str,
+                 layer: Optional[int] = None, group: Optional[int] = None,
+                 expert: Optional[int] = None, bias: bool = False, index: tuple[int, ...] = (),
+                 dim: Optional[int] = None, offset: int = 0):
+        # One dict update instead of a frozen dataclass's setattr per field: a large MoE model
+        # has tens of thousands of pieces.
+        self.__dict__.update(name=name, hf=hf, shape=shape, kind=kind, layer=layer, group=group,
+                             expert=expert, bias=bias, index=index, dim=dim, offset=offset)
 
     @property
     def hf_slot(self) -> Slot:

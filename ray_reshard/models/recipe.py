@@ -36,13 +36,14 @@ class Recipe:
         self.hf_experts = resolve_hf_experts(hf_experts)
         self.src: EngineSide = make_side(self.dims, src)
         self.dst: EngineSide = make_side(self.dims, dst)
-        pieces = enumerate_pieces(
-            self.dims,
-            split_groups=self.src.needs_group_split or self.dst.needs_group_split,
-            per_expert=self.src.needs_expert_split or self.dst.needs_expert_split,
-            hf_experts=self.hf_experts, mtp=self.dims.mtp_layers > 0)
-        # what the destination keeps; the source must keep all of it
-        self.pieces: list[Piece] = [pc for pc in pieces if self.dst.holds(pc)]
+        with gc_paused(keep=True):  # tens of thousands of pieces, none in a cycle
+            pieces = enumerate_pieces(
+                self.dims,
+                split_groups=self.src.needs_group_split or self.dst.needs_group_split,
+                per_expert=self.src.needs_expert_split or self.dst.needs_expert_split,
+                hf_experts=self.hf_experts, mtp=self.dims.mtp_layers > 0)
+            # what the destination keeps; the source must keep all of it
+            self.pieces: list[Piece] = [pc for pc in pieces if self.dst.holds(pc)]
         for pc in self.pieces:
             if not self.src.holds(pc):
                 raise ValueError(f"{pc.name}: the destination ({self.dst.name}) keeps it but "
@@ -52,7 +53,7 @@ class Recipe:
     def specs(self, dtype: torch.dtype = torch.bfloat16,
               src_dtype: Optional[torch.dtype] = None) -> dict[str, TensorSpec]:
         out = {}
-        with gc_paused():
+        with gc_paused(keep=True):
             for pc in self.pieces:
                 s_lay, s_slots = self.src.place(pc)
                 d_lay, d_slots = self.dst.place(pc)

@@ -71,6 +71,7 @@ class EngineSide:
         self._layouts: dict[tuple, Layout] = {}
         self._by_grid: dict[tuple, Layout] = {}           # _rep/_shard: (kind, grid) -> layout
         self._grids: dict[Hashable, np.ndarray] = {}
+        self._expert_layouts: dict[tuple, Layout] = {}    # experts' layouts, by grid position
         self._sorted: dict[int, tuple[int, ...]] = {}     # id(layout) -> sorted ranks
         self._names: dict[Optional[int], dict] = {}
 

@@ -443,6 +443,9 @@ class VLLMSide(EngineSide):
     # placement ---------------------------------------------------------------------------
     def _place(self, pc: Piece):
         d, par, k = self.d, self.par, pc.kind
+        if k in ("e_gate", "e_up", "e_down"):       # most pieces of a MoE model: first
+            l = pc.layer
+            return self._place_expert(pc, self.stage_of[l - d.layers if self.mtp else l])
         last = par.pp - 1
         tp = par.tp
         g = self.store_name
@@ -485,8 +488,6 @@ class VLLMSide(EngineSide):
             if k == "sh_down":
                 return self._same(lay, Slot(n("sh_down")))
             return self._same(lay, Slot(n("sh_gate_up"), dim=0, offset=off))
-        if k in ("e_gate", "e_up", "e_down"):
-            return self._place_expert(pc, self.stage_of[l - d.layers if self.mtp else l])
         # MLA
         if k == "q_a":
             return self._same(self._rep(grid), Slot(n("q_a"), dim=0, offset=0))
@@ -524,18 +525,28 @@ class VLLMSide(EngineSide):
         par, k = self.par, pc.kind
         w = self.store_name("w2" if k == "e_down" else "w13", pc.layer)
         off = self.expert_inter if k == "e_up" else 0
-        grid = self.expert_grid(stage)            # [engines, engine_dp * tp]
         ep = par.ep > 1
+        if ep and pc.expert is not None:
+            t, i = self.owner[pc.expert]
+            slot = Slot(w, (i,)) if k == "e_down" else Slot(w, (i,), dim=0, offset=off)
+            # one layout per (stage, EP rank), shared by its experts of every layer
+            lay = self._expert_layouts.get(("rep", stage, t))
+            if lay is None:
+                lay = self._expert_layouts[("rep", stage, t)] = \
+                    self._rep(self.expert_grid(stage)[:, t])
+            return self._same(lay, slot)
         if pc.expert is None:
             if self.needs_expert_split:
                 raise AssertionError("stacked expert piece on an uneven expert placement")
             tdim = 0 if ep else (2 if k == "e_down" else 1)
             slot = Slot(w) if k == "e_down" else Slot(w, dim=1, offset=off)
-            return self._same(self._shard(grid, tdim), slot)
-        if ep:
-            t, i = self.owner[pc.expert]
-            slot = Slot(w, (i,)) if k == "e_down" else Slot(w, (i,), dim=0, offset=off)
-            return self._same(self._rep(grid[:, t]), slot)
+            return self._same(self._shard(self.expert_grid(stage), tdim), slot)
         e = pc.expert
         slot = Slot(w, (e,)) if k == "e_down" else Slot(w, (e,), dim=0, offset=off)
-        return self._same(self._shard(grid, 1 if k == "e_down" else 0), slot)
+        tdim = 1 if k == "e_down" else 0
+        # one layout per (stage, sharded dim), shared by every expert of the stage's layers
+        lay = self._expert_layouts.get(("shard", stage, tdim))
+        if lay is None:
+            lay = self._expert_layouts[("shard", stage, tdim)] = \
+                self._shard(self.expert_grid(stage), tdim)
+        return self._same(lay, slot)

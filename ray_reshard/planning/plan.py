@@ -98,7 +98,7 @@ class Plan:
         """The TensorSpecs, in `names` order."""
         sp = self.__dict__.get("_specs")
         if sp is None:
-            with gc_paused():        # tens of thousands of acyclic objects
+            with gc_paused(keep=True):        # tens of thousands of acyclic objects
                 sp = self._specs = _unpack_specs(self.__dict__.pop("_spec_columns"))
         return sp
 
@@ -469,20 +469,24 @@ def _share(plan: Plan, mine: frozenset, bucket_bytes: int) -> list[Transfer]:
     replay_marks: dict[int, list] = {}
     if forwarders:
         fset = frozenset(forwarders)
-        cache: dict = {}
+        # Per distinct tensor plan, its replayed pairs: (pair, sizes, pieces, whether the plan's
+        # tensors have pieces forwarded here from that pair's forwarder).
+        rows: dict = {}
         for ti, tp in enumerate(plan.tensor_plans):
             ck = (id(tp), isz[ti])
-            d = cache.get(ck)
-            if d is None:
-                # Per pair: its sizes list, and its marks list when the tensors of this plan
-                # have pieces forwarded here from that pair's forwarder (else None).
+            if ck not in rows:
                 fw = digests[ck][1]
-                d = cache[ck] = [
-                    (replay_sizes.setdefault(i, []), sizes,
-                     replay_marks.setdefault(i, []) if fw and pair_keys[i][1] in fw else None,
-                     pieces)
-                    for i, sizes, pieces in replay_digest(tp, isz[ti], fset)]
-            for lst, sizes, marks, pieces in d:
+                rows[ck] = [(i, sizes, pieces, bool(fw) and pair_keys[i][1] in fw)
+                            for i, sizes, pieces in replay_digest(tp, isz[ti], fset)]
+        # Only pairs that bring pieces here need their bucket cuts (most replayed pairs of a
+        # large plan bring none): per plan, those pairs' sizes list and marks list (or None).
+        needed = {i for r in rows.values() for i, _, _, marked in r if marked}
+        cache = {ck: [(replay_sizes.setdefault(i, []), sizes,
+                       replay_marks.setdefault(i, []) if marked else None, pieces)
+                      for i, sizes, pieces, marked in r if i in needed]
+                 for ck, r in rows.items()}
+        for ti, tp in enumerate(plan.tensor_plans):
+            for lst, sizes, marks, pieces in cache[(id(tp), isz[ti])]:
                 # Only the sizes decide the buckets; only pieces forwarded here are kept.
                 if marks is not None:
                     pos = len(lst)
@@ -874,24 +878,30 @@ def plan(specs: Mapping[str, TensorSpec], src_domains: Optional[Sequence[Any]] =
     n_dst = _side_size("dst", specs, dst_domains, dst_devices, n_dst)
     topo = Topology.make(n_src, n_dst, src_domains, dst_domains, src_devices, dst_devices)
     # Specs usually share their layout objects: remember what was planned per (shape, dtype,
-    # layout objects, slot tables) so that each tensor costs a dict lookup. The specs stay
-    # alive during the loop, so the ids are not reused; slot tables (hundreds of Slots) are
-    # keyed by identity because hashing them per tensor dominated planning at scale.
+    # layout objects, slot tables' ranks) so that each tensor costs a dict lookup. The specs
+    # stay alive during the loop, so the ids are not reused; slot tables are keyed by their
+    # rank tuples' identity (hashing them per tensor dominated planning at scale; recipes give
+    # each tensor its own table but share the rank tuples). Where a slot sits matters to a
+    # quantised spec's validation only, which is checked for every such spec.
     seen: dict = {}
     checked: set = set()                 # layouts and slot tables found valid (by identity)
     tensor_plans = []
     turns: dict = defaultdict(int)       # src layout -> tensors given a rotation so far
     # Planning allocates only acyclic objects (hundreds of thousands of moves at scale): the
     # cyclic collector would rescan the growing heap again and again for nothing.
-    with gc_paused():
+    with gc_paused(keep=True):
         for name, spec in specs.items():
-            key = (spec.shape, spec.dtype, id(spec.src), id(spec.dst), id(spec.src_slots),
-                   id(spec.dst_slots), spec.quant and (spec.quant, spec.source_dtype))
+            ss, ds, quant = spec.src_slots, spec.dst_slots, spec.quant
+            key = (spec.shape, spec.dtype, id(spec.src), id(spec.dst),
+                   None if ss is None else id(ss.ranks), None if ds is None else id(ds.ranks),
+                   quant and (quant, spec.source_dtype))
             tp = seen.get(key)
             try:
                 if tp is None:
                     spec.validate(name, checked)
                     tp = seen[key] = plan_tensor(spec.signature, topo)
+                elif quant is not None:
+                    spec.validate(name, checked)      # where its slots sit
                 if tp.rotations > 1:
                     # Small tensors leave some source replicas idle: rotate which ones work
                     # across the tensors sharing the source layout.
@@ -906,15 +916,24 @@ def plan(specs: Mapping[str, TensorSpec], src_domains: Optional[Sequence[Any]] =
 
 
 @contextmanager
-def gc_paused():
+def gc_paused(keep: bool = False):
     """Pause the cyclic garbage collector: building or pickling a plan allocates hundreds of
-    thousands of acyclic objects, which collections would rescan again and again."""
+    thousands of acyclic objects, which collections would rescan again and again.
+
+    With `keep` (what was built is long-lived: a plan, a compiled program), the objects still
+    alive at the end go straight to the collector's oldest generation instead of being scanned
+    by the young generations' next passes first (not while the process has frozen objects of
+    its own: `gc.freeze` is then the owner's).
+    """
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         if enabled:
+            if keep and gc.get_freeze_count() == 0:
+                gc.freeze()
+                gc.unfreeze()
             gc.enable()
 
 
