@@ -16,8 +16,8 @@ import os
 import sys
 import time
 
-from .cli_args import (Parser, add_refit_args, build_refit, describe, output_dir, positive_int,
-                       progress, require_module, say)
+from .cli_args import (Parser, add_refit_args, build_refit, describe, fraction_arg, output_dir,
+                       positive_int, progress, require_module, say)
 from .planning.plan import DEFAULT_BUCKET_BYTES
 
 # subcommand -> (module, help); each module has add_args(parser) and run(args) -> int.
@@ -34,6 +34,9 @@ BENCHES = {
                       "trainer idle time per step: blocking vs overlapped refits"),
     "bench-fp8": ("ray_reshard.bench.fp8",
                   "block-FP8 refits: bytes vs BF16, quantisation throughput, bit-exactness"),
+    "bench-delta": ("ray_reshard.bench.delta_trace",
+                    "delta vs dense refits along an RL-like training trace (or synthetic "
+                    "changed fractions) on the same actors"),
 }
 
 
@@ -87,6 +90,9 @@ def parser() -> Parser:
                    help="write tilings.png (one parameter) and domains.png (traffic heat map) "
                         "into DIR, created if missing (needs the viz extra)")
     p.add_argument("--param", help="the parameter tilings.png draws (default: a telling one)")
+    p.add_argument("--changed-fraction", type=fraction_arg, metavar="F",
+                   help="also predict a delta refit's network bytes when this fraction of the "
+                        "elements changed since the previous one (e.g. 0.1)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     d = sub.add_parser("demo", help="refit a small MoE model between Megatron and vLLM layouts "
                                     "on a local CPU Ray cluster")
@@ -109,7 +115,7 @@ def _has_simulator() -> bool:
 
 
 def plan_command(args, ap) -> int:
-    from .plan_report import render, traffic
+    from .plan_report import delta_prediction, render, render_delta, traffic
 
     if args.png:      # before planning: a long plan should not end in a wrong path
         try:
@@ -131,6 +137,8 @@ def plan_command(args, ap) -> int:
     t2 = time.perf_counter()
     t = traffic(plan, args.bucket_mb << 20,
                 progress=lambda xs: progress(xs, len(xs), "traffic per tensor"))
+    if args.changed_fraction is not None:
+        t["delta"] = delta_prediction(plan, args.bucket_mb << 20, args.changed_fraction)
     t3 = time.perf_counter()
     t.update(model=refit.title, train=describe(refit.train), infer=describe(refit.infer),
              gpus_per_node=refit.gpus_per_node, dtype=args.dtype,
@@ -157,6 +165,8 @@ def plan_command(args, ap) -> int:
         return 0
     print(render(t, f"{refit.title}: {refit.train} -> {refit.infer}, {args.dtype}, "
                     f"{refit.gpus_per_node} ranks per NVLink domain"))
+    if "delta" in t:
+        print(render_delta(t["delta"]))
     print(f"specs {t['seconds']['specs']:.2f} s, plan {t['seconds']['plan']:.2f} s, "
           f"report {t['seconds']['report']:.2f} s")
     for kind, path in pictures.items():

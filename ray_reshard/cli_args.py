@@ -93,6 +93,17 @@ def positive_float(text: str) -> float:
     return v
 
 
+def fraction_arg(text: str) -> float:
+    """A number in [0, 1] (e.g. the share of weights changed since the previous refit)."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text!r}")
+    return v
+
+
 def model_arg(text: str) -> tuple[str, dict]:
     """A known model name or a path to a HF config.json (or its directory) -> (title, config)."""
     from .models import model_dims

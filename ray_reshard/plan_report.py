@@ -6,6 +6,11 @@ at most `exact_buckets_up_to` moves; above that (building the schedule of tens o
 moves takes minutes) each pair's bytes are divided by `bucket_bytes`, rounded up: the count if
 every bucket were full, a lower bound. Busiest ranks come from the plan's per-rank figures. Staging: a rank stages at most `window` buckets at once
 (double buffering), and only pieces that are strided in its storage or change dtype.
+
+`delta_prediction(plan, bucket_bytes, fraction)` predicts a delta refit's network bytes when a
+`fraction` of the elements changed since the previous one: per network bucket, the size of its
+smallest encoding (`execution.delta.expected_bytes`) with the changes spread evenly over
+buckets.
 """
 from __future__ import annotations
 
@@ -13,7 +18,9 @@ import math
 from collections import defaultdict
 from typing import Any, Optional
 
-from .planning.plan import DEFAULT_BUCKET_BYTES, Plan, default_window, network_entries
+from .execution.delta import KINDS, encoded_bytes, expected_bytes, granule
+from .planning.plan import (DEFAULT_BUCKET_BYTES, Plan, default_window, network_bucket_counts,
+                            network_entries)
 from .planning.planner import NETWORK, PATHS
 
 
@@ -133,5 +140,89 @@ def render(t: dict, title: Optional[str] = None) -> str:
         f"peak staging per rank: at most {t['peak_staging_bound_bytes'] / 2 ** 20:,.1f} MiB "
         f"({t['staging_window']} buckets, the executor's default window, or all a rank moves "
         f"if less; only strided pieces and dtype conversions are staged)",
+    ]
+    return "\n".join(lines)
+
+
+DELTA_ASSUMPTIONS = (
+    "a prediction, not a measurement: every network bucket has the given fraction of its "
+    "granules changed (changes spread evenly over buckets)",
+    "a granule is the smallest element size of a bucket's items; a bucket travels as the "
+    "smallest of same (nothing), mask, index and dense",
+    "this is a delta refit after another of the same spec set (the first one, and one after "
+    "a failed refit, update() or a dense refit in between, travels dense)",
+)
+
+
+def network_buckets(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                    exact_buckets_up_to: int = 200_000) -> tuple[list, bool]:
+    """([(bytes, smallest itemsize)] per network bucket, exact). Exact: the schedule's buckets
+    (plans of at most `exact_buckets_up_to` moves); else each network pair's bytes cut into as
+    many about equal buckets as the schedule cuts, at the pair's smallest itemsize."""
+    if plan.stats.n_moves <= exact_buckets_up_to:
+        specs = plan.specs
+        out = [(t.nbytes, min(specs[i.tensor].itemsize for i in t.items))
+               for t in plan.schedule(bucket_bytes).transfers if t.path == NETWORK]
+        return out, True
+    pair_bytes: dict = defaultdict(int)
+    pair_itemsize: dict = {}
+    for tp, count, _ in plan.distinct_plans:
+        isz = tp.itemsize
+        per: dict = defaultdict(int)
+        for m in tp.moves:
+            if m.path == NETWORK:
+                per[(m.src.rank, m.dst)] += m.box.numel * isz
+        for pair, b in per.items():
+            pair_bytes[pair] += count * b
+            pair_itemsize[pair] = min(pair_itemsize.get(pair, isz), isz)
+    counts = network_bucket_counts(plan, bucket_bytes)
+    out = []
+    for pair, total in pair_bytes.items():
+        n = max(1, counts.get(pair, -(-total // bucket_bytes)))
+        out += [(total * (k + 1) // n - total * k // n, pair_itemsize[pair]) for k in range(n)]
+    return out, False
+
+
+def delta_prediction(plan: Plan, bucket_bytes: int, fraction: float,
+                     exact_buckets_up_to: int = 200_000, buckets=None) -> dict:
+    """Predicted network bytes of a delta refit of `plan` when `fraction` of the elements
+    changed since the previous one (see `DELTA_ASSUMPTIONS`); `buckets`: `network_buckets`'s
+    answer when already computed."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"changed fraction must be in [0, 1], got {fraction}")
+    if buckets is None:
+        buckets = network_buckets(plan, bucket_bytes, exact_buckets_up_to)
+    rows, exact = buckets
+    kinds = {name: 0 for name in KINDS.values()}
+    sent = dense = 0
+    for nbytes, itemsize in rows:
+        g = granule(nbytes, itemsize)
+        size = expected_bytes(nbytes, g, fraction)
+        changed = int(round(fraction * (nbytes // g)))
+        kinds[KINDS[encoded_bytes(nbytes, g, changed)[0]]] += 1
+        sent += size
+        dense += nbytes
+    return {"changed_fraction": fraction, "network_bytes": sent, "dense_network_bytes": dense,
+            "over_dense": sent / dense if dense else None,
+            "over_lower_bound": (sent / plan.stats.min_network_bytes
+                                 if plan.stats.min_network_bytes else None),
+            "encodings": kinds, "buckets": len(rows), "buckets_exact": exact,
+            "assumptions": list(DELTA_ASSUMPTIONS)}
+
+
+def render_delta(d: dict) -> str:
+    """The delta prediction as text (labelled a prediction, with its assumptions)."""
+    ratio = d["over_dense"]
+    lines = [
+        f"delta refit, PREDICTED for {d['changed_fraction']:g} of the elements changed since "
+        f"the previous delta refit:",
+        f"  network {d['network_bytes'] / 1e9:,.3f} GB vs dense "
+        f"{d['dense_network_bytes'] / 1e9:,.3f} GB"
+        + (f" ({ratio:.3f}x)" if ratio is not None else ""),
+        f"  {d['buckets']} network buckets"
+        + (" (from the schedule)" if d["buckets_exact"] else
+           " (each pair cut into the schedule's count of equal buckets)") + ": "
+        + ", ".join(f"{k} {n}" for k, n in d["encodings"].items()),
+        "  assumptions: " + "; ".join(d["assumptions"]),
     ]
     return "\n".join(lines)

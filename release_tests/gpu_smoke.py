@@ -298,6 +298,57 @@ def atomic_refit(ctx):
     return f"{res.seconds * 1e3:.1f} ms, extra {res.extra_bytes / 1e6:.1f} MB/rank, bit-exact"
 
 
+@step(120)
+def delta_codec(ctx):
+    """The delta codec on the device: a bf16 bucket with 10% of its elements changed encoded
+    against its baseline and decoded back, bit-exact; throughput of each."""
+    from ray_reshard.execution import delta as codec
+    n = (4 if ctx.dry else 256) << 19                 # bf16 elements (4 or 256 MiB)
+    base = torch.randint(-30000, 30000, (n,), dtype=torch.int16, device=ctx.device)
+    new = base.clone()
+    new[torch.rand(n, device=ctx.device) < 0.1] += 1
+    nb, bb = new.view(torch.uint8), base.view(torch.uint8)
+    enc = codec.encode(nb, bb, 2)
+    t_enc = _timed(ctx, lambda: codec.encode(nb, bb, 2), reps=3, trials=3)
+    out = bb.clone()
+    codec.decode(enc.kind, enc.payload, out, 2)
+    if not torch.equal(out, nb) or codec.checksum(out) != enc.check:
+        raise AssertionError("decode(encode(x)) != x")
+    t_dec = _timed(ctx, lambda: codec.decode(enc.kind, enc.payload, bb.clone(), 2), reps=3,
+                   trials=3)
+    return (f"{codec.KINDS[enc.kind]}, payload {enc.nbytes / nb.numel():.3f} of dense; encode "
+            f"{nb.numel() / t_enc / 1e9:.1f} GB/s, decode (with a copy) "
+            f"{nb.numel() / t_dec / 1e9:.1f} GB/s, bit-exact")
+
+
+@step(240)
+def delta_refit(ctx):
+    """Delta refits of device tensors between two 'domains' on one GPU (gloo: NCCL needs a GPU
+    per rank), equal to the sources' bytes; fewer network bytes than dense at 1% changed."""
+    full, specs, src, dst, src_l, dst_l = _shared_refit_setup(ctx, 2, 2)
+    spec = {"w": specs["w"]}
+    g = rr.ReshardGroup(src, dst, backend="gloo", src_domains=["a", "a"],
+                        dst_domains=["b", "b"], timeout_s=120)
+    try:
+        first = g.refit(spec, delta=True)
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(2):
+            full = full.clone()
+            m = torch.rand(full.shape, generator=gen) < 0.01
+            full[m] += 1
+            _fill(src, {"w": full}, {"w": src_l})
+            res = g.refit(spec, delta=True)
+            _check(dst, full, dst_l, "w")
+    finally:
+        g.close()
+    d = res.delta
+    if d["fallbacks"] or not 0 < d["network_bytes"] < d["dense_network_bytes"] / 2:
+        raise AssertionError(f"expected a delta of a few bytes, got {d}")
+    return (f"first {first.seconds * 1e3:.0f} ms (dense, no baseline), then "
+            f"{res.seconds * 1e3:.0f} ms for {d['network_bytes'] / 1e6:.2f} MB of "
+            f"{d['dense_network_bytes'] / 1e6:.1f} MB, bit-exact")
+
+
 @step(180)
 def rank_fails_mid_refit(ctx):
     """A source stuck in the refit is killed: RefitError well before the deadline, naming it;

@@ -93,16 +93,19 @@ class Transports:
 
 
 def run_program(prog: Program, views: dict, tr: Transports, deadline: float,
-                token: Any = None) -> dict:
+                token: Any = None, delta=None) -> dict:
     """Run `prog` with the validated shard views `views[(side, rank, tensor)]`; returns stats.
     `token` names exactly these view objects (see `Program.bind`): the same token as the last
-    run skips re-checking them. The cyclic garbage collector is paused meanwhile: it would
-    rescan the program's many objects for the small acyclic ones each step allocates."""
+    run skips re-checking them. With `delta` (a `delta.DeltaRun`) network buckets travel as
+    deltas (every process of the refit must pass one). The cyclic garbage collector is paused
+    meanwhile: it would rescan the program's many objects for the small acyclic ones each step
+    allocates."""
     with gc_paused():
-        return _run(prog, views, tr, deadline, token)
+        return _run(prog, views, tr, deadline, token, delta)
 
 
-def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any) -> dict:
+def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any,
+         delta) -> dict:
     now = time.perf_counter
     t_bind = now()
     rebuilt = prog.bind(views, token)
@@ -127,6 +130,10 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
     carried: dict = {}
     may_carry = rings is not None and net.polls
     left_behind = 0              # ring receives runs left behind (counted per run)
+    if delta is not None:        # versions, encoding and headers before any bucket moves
+        t0 = now()
+        delta.start(prog.steps, net, deadline)
+        clock["delta_encode"] = now() - t0
 
     def take_carried():
         for key in list(carried):
@@ -141,6 +148,13 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
         handle, s, is_recv, si, after = pending.popleft()
         t0 = now()
         what = f"{'recv from' if is_recv else 'send to'} process {s.peer}"
+        if handle is _UNSENT:   # a delta bucket that did not change: nothing travelled
+            if is_recv:         # complete in order (a forward waits on its last bucket)
+                t1 = now()
+                after()         # checks that the destination still holds it
+                clock["unpack"] += now() - t1
+                done.add(s.key)
+            return
         if carried:
             take_carried()
         if rings is not None and not net.done(handle):
@@ -224,7 +238,7 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
             continue
         if carried:             # network steps: first what arrived of the receives left behind
             take_carried()
-        if s.per_item:
+        if s.per_item and delta is None:
             # One message per item, posted as one group (both ends group the same step's
             # messages); items that cannot travel in place go through one staging buffer, at
             # their offsets in the bucket.
@@ -256,7 +270,7 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
             j = i + 1
             if span and s.path == NETWORK:
                 g = (s.key[0], s.key[2] // span)
-                while j < n_steps and _packed_network(steps[j]) and \
+                while j < n_steps and _packed_network(steps[j], delta) and \
                         (steps[j].key[0], steps[j].key[2] // span) == g:
                     j += 1
             batch = steps[i:j]
@@ -265,6 +279,9 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
             ops, entries = [], []
             for st in batch:
                 st_sending = st.kind == SEND
+                if delta is not None and st.path == NETWORK:
+                    _post_delta(st, delta, ops, entries, left, stage)
+                    continue
                 left[st.key] = 1
                 si, buf = stage(st.nbytes)
                 part = st.send if st_sending else st.recv
@@ -276,16 +293,19 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
                 else:
                     entries.append((st, si, lambda buf=buf, part=part: part.unpack(buf)))
                 ops.append((st.peer, buf, st_sending))
-            handle = net.post(*ops[0]) if len(ops) == 1 else net.post_group(ops)
-            for st, si, after in entries:
-                pending.append((handle, st, st.kind != SEND, si, after))
+            handle = None
+            if ops:
+                handle = net.post(*ops[0]) if len(ops) == 1 else net.post_group(ops)
+            for st, si, after, *unsent in entries:
+                pending.append((_UNSENT if unsent else handle, st, st.kind != SEND, si, after))
             i = j
         for st in batch:
+            nbytes = st.nbytes if delta is None or st.path != NETWORK else delta.wire_bytes(st)
             if st.kind == SEND:
-                sent += st.nbytes
+                sent += nbytes
             else:
-                recv += st.nbytes
-                moved[st.path] += st.nbytes
+                recv += nbytes
+                moved[st.path] += nbytes
     while pending:
         wait_one()
     if carried:
@@ -294,9 +314,35 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
         rings.flush()
     if tr.device.type == "cuda":
         torch.cuda.synchronize(tr.device)
-    return {"bytes_by_path": moved, "sent_bytes": sent, "recv_bytes": recv,
-            "peak_staging_bytes": peak_staged[1] * staging.nbytes, "transfers": len(prog.steps),
-            "parts_rebuilt": rebuilt, "clock": clock, "ring_recvs_left_behind": left_behind}
+    stats = {"bytes_by_path": moved, "sent_bytes": sent, "recv_bytes": recv,
+             "peak_staging_bytes": peak_staged[1] * staging.nbytes, "transfers": len(prog.steps),
+             "parts_rebuilt": rebuilt, "clock": clock, "ring_recvs_left_behind": left_behind}
+    if delta is not None:
+        stats["delta"] = delta.stats()
+    return stats
+
+
+_UNSENT = object()          # the handle of a delta bucket that did not travel
+
+
+def _post_delta(st, delta, ops: list, entries: list, left: dict, stage) -> None:
+    """Queue a network bucket of a delta refit: its payload, or, when it did not change, an
+    entry that moves nothing (it completes in its turn, after the receives before it)."""
+    if st.kind == SEND:
+        msg = delta.message(st)
+        if msg is not None:
+            left[st.key] = 1
+            ops.append((st.peer, msg, True))
+            entries.append((st, -1, None))
+        return
+    nbytes = delta.size(st)
+    if nbytes == 0:
+        entries.append((st, -1, lambda: delta.apply(st, None), "unsent"))
+        return
+    left[st.key] = 1
+    si, buf = stage(nbytes)
+    ops.append((st.peer, buf, False))
+    entries.append((st, si, lambda: delta.apply(st, buf)))
 
 
 def _on_ring(s, rings) -> bool:
@@ -343,8 +389,8 @@ def _run_rings(run: list, rings: RingChannel, do: Callable, carried: dict,
                 del queues[key]
 
 
-def _packed_network(s) -> bool:
-    return s.path == NETWORK and s.kind != COPY and not s.per_item
+def _packed_network(s, delta=None) -> bool:
+    return s.path == NETWORK and s.kind != COPY and (not s.per_item or delta is not None)
 
 
 def transports(wg, window: Optional[int] = None) -> Transports:

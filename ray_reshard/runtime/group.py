@@ -19,6 +19,7 @@ from ..planning.planner import Endpoint
 from ..layout.spec import TensorSpec
 from ..errors import GroupStateLost, RefitError, TransportError
 from . import membership, metrics, worker
+from .delta import BASELINE_PLACES
 from .membership import Members, actor_key
 from .transport import torch_pg
 from .transport.devices import choose_backend
@@ -48,6 +49,8 @@ class RefitResult:
     # Things that did not stop the refit but need attention (e.g. a source process that died
     # after its data moved: the group needs update() before the next refit).
     warnings: list = field(default_factory=list)
+    # A delta refit's figures (see `delta_summary`), None for a dense one.
+    delta: Optional[dict] = None
 
     def summary(self) -> str:
         b = self.bytes_by_path
@@ -84,7 +87,8 @@ class ReshardGroup:
                  timeout_s: Optional[float] = None, setup_timeout_s: float = 120.0,
                  src_domains: Optional[Sequence[Any]] = None,
                  dst_domains: Optional[Sequence[Any]] = None,
-                 max_programs: int = DEFAULT_MAX_PROGRAMS, window: Optional[int] = None):
+                 max_programs: int = DEFAULT_MAX_PROGRAMS, window: Optional[int] = None,
+                 delta_baseline: str = "device"):
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if backend not in ("auto", "gloo", "nccl"):
@@ -101,6 +105,10 @@ class ReshardGroup:
                              f"buckets as fit in {DEFAULT_STAGING_BYTES >> 20} MiB, at least "
                              f"2), got {window!r}")
         _check_timeout(timeout_s)
+        if delta_baseline not in BASELINE_PLACES:
+            raise ValueError(f"delta_baseline must be one of {BASELINE_PLACES} (where senders "
+                             f"keep the bytes they sent last), got {delta_baseline!r}")
+        self.delta_baseline = delta_baseline
         if not ray.is_initialized():
             raise RuntimeError("Ray is not initialized: call ray.init() before building a "
                                "ReshardGroup")
@@ -333,7 +341,8 @@ class ReshardGroup:
     # ---------------------------------------------------------------- refit
     @metrics.observe_refit
     def refit(self, specs: Mapping[str, TensorSpec], *, atomic: bool = False,
-              snapshot: bool = False, timeout_s: Optional[float] = None) -> RefitResult:
+              snapshot: bool = False, timeout_s: Optional[float] = None,
+              delta: bool = False) -> RefitResult:
         """Write every destination's shards of `specs` in place from the sources' shards.
 
         Default (atomic=False): destinations are written as bytes arrive, so a refit that fails
@@ -347,12 +356,20 @@ class ReshardGroup:
         Colocated refits (an actor on both sides whose source and destination tensors share
         memory) copy the shared source shards first (reported in `extra_bytes`).
         Refits on one group run one at a time: a call from another thread waits its turn.
+
+        With delta=True each network bucket travels as the bytes that changed since this spec
+        set's last delta refit (see docs/delta.md): senders keep what they sent (memory = their
+        network bytes, in `delta_baseline` memory, reported in `result.delta`), and send dense
+        where a receiver may not hold it (the first delta refit, after a failed or refused refit,
+        update(), a dense refit of any spec set in between): `result.delta["fallbacks"]` names
+        those. Destinations end bit-identical to a dense refit; one whose shards changed outside
+        refits is caught (checksum) and the refit fails.
         """
         with self._lock:
-            return self._refit(specs, atomic, snapshot, timeout_s)
+            return self._refit(specs, atomic, snapshot, timeout_s, delta)
 
     def refit_async(self, specs: Mapping[str, TensorSpec], *, atomic: bool = False,
-                    timeout_s: Optional[float] = None) -> "PendingRefit":
+                    timeout_s: Optional[float] = None, delta: bool = False) -> "PendingRefit":
         """An overlapped refit: returns as soon as every source's shards are captured (copied:
         extra memory = the source shards), while the bytes move; the trainer may take its next
         optimizer step at once. `PendingRefit.wait()` returns the RefitResult; its `version` is
@@ -364,7 +381,7 @@ class ReshardGroup:
         """
         with self._lock:
             self._settle()
-            running = self._start(specs, atomic, False, timeout_s, capture=True)
+            running = self._start(specs, atomic, False, timeout_s, capture=True, delta=delta)
             self._pending = PendingRefit(self, running)
             return self._pending
 
@@ -377,11 +394,12 @@ class ReshardGroup:
             except Exception:
                 pass
 
-    def _refit(self, specs, atomic, snapshot, timeout_s) -> RefitResult:
+    def _refit(self, specs, atomic, snapshot, timeout_s, delta=False) -> RefitResult:
         self._settle()
-        return self._finish(self._start(specs, atomic, snapshot, timeout_s))
+        return self._finish(self._start(specs, atomic, snapshot, timeout_s, delta=delta))
 
-    def _start(self, specs, atomic, snapshot, timeout_s, capture: bool = False) -> dict:
+    def _start(self, specs, atomic, snapshot, timeout_s, capture: bool = False,
+               delta: bool = False) -> dict:
         """Plan, install, validate, (capture,) and start every process's run."""
         self._check_usable()
         if self._broken:
@@ -391,6 +409,11 @@ class ReshardGroup:
             raise TypeError(f"specs must be a mapping of name -> TensorSpec, got "
                             f"{type(specs).__name__}")
         _check_timeout(timeout_s)
+        if not isinstance(delta, bool):
+            raise TypeError(f"delta must be True or False, got {delta!r}")
+        if delta and self.strategy != "reshard":
+            raise ValueError(f"delta refits need the reshard strategy (this group uses "
+                             f"{self.strategy!r}, which sends whole tensors)")
         key, p, planned = self._cached_plan(specs)
         # One deadline for the whole refit: installing programs (first refit of a spec set),
         # checking local tensors, and running. A dead or stuck rank fails it in time, named.
@@ -415,8 +438,9 @@ class ReshardGroup:
         # One call per process: it checks its tensors, votes with the others through the
         # group's store (nobody moves a byte unless everyone's tensors are right), and runs.
         ballot = f"refit{next(self._ballots)}"
+        place = self.delta_baseline if delta else None
         refs = [a.__ray_call__.remote(worker.run, self.group_id, key, left, version, atomic,
-                                      snapshot, ballot, self._version)
+                                      snapshot, ballot, self._version, place)
                 for a in self._procs]
         return {"refs": refs, "left": left, "version": version, "timeout": timeout, "t0": t0,
                 "plan": p, "planned": planned, "atomic": atomic}
@@ -452,7 +476,7 @@ class ReshardGroup:
                            moved["network"] / seconds / 1e9 if seconds > 0 else 0.0,
                            max(st["peak_staging_bytes"] for st in per),
                            max(st["extra_bytes"] for st in per), p.stats, running["planned"],
-                           per, result_warnings)
+                           per, result_warnings, delta_summary(per))
 
     def _refuse(self, per: list) -> None:
         """Raise for a refit every process refused before moving any byte (`per`: what each
@@ -867,9 +891,27 @@ class PendingRefit:
 
 
 # After a process failed, how long the others get to report before they count as hung
-# (LATE_SETTLE_S once the refit's deadline passed: those still busy then are hung).
+# (LATE_SETTLE_S once the refit's deadline passed: those still busy then are hung). Members
+# reach their own deadlines a little apart and then spend up to LATE_STORE_CHECK_S asking the
+# store for an abort (a frozen store host answers nothing): the late window covers that, with
+# a second of scheduling slack, so a member blocked on a frozen peer is not named hung itself.
 SETTLE_S = 3.0
-LATE_SETTLE_S = 0.5
+LATE_SETTLE_S = torch_pg.LATE_STORE_CHECK_S + 1.0
+
+
+def delta_summary(per: list) -> Optional[dict]:
+    """A delta refit's figures from every process's: network bytes sent (payloads) and what a
+    dense refit sends, granules compared and found changed, buckets per encoding, the
+    sender->receiver pairs sent dense and why, and the largest baseline memory of a process."""
+    parts = [st["delta"] for st in per if "delta" in st]
+    if not parts:
+        return None
+    out = {k: sum(d[k] for d in parts) for k in
+           ("network_bytes", "dense_network_bytes", "granules", "changed_granules")}
+    out["encodings"] = {k: sum(d["encodings"][k] for d in parts) for k in parts[0]["encodings"]}
+    out["fallbacks"] = [f for d in parts for f in d["fallbacks"]]
+    out["baseline_bytes"] = max(d["baseline_bytes"] for d in parts)
+    return out
 
 
 def _describe(proc: int, e: Exception) -> str:
@@ -895,7 +937,7 @@ class _SpecSet:
     __slots__ = ("items", "hash")
 
     def __init__(self, specs: Mapping[str, TensorSpec]):
-        with gc_paused():         # tens of thousands of pairs: no collector pass meanwhile
+        with gc_paused(keep=True):  # tens of thousands of pairs: no collector pass meanwhile
             self.items = tuple(specs.items())
         self.hash = hash(self.items)
 

@@ -100,7 +100,8 @@ def observe_refit(fn):
 # ---------------------------------------------------------------- flat figures
 def refit_dict(result) -> dict[str, Any]:
     """A RefitResult as flat figures: bytes per path as `<path>_bytes`, plan statistics as
-    `plan_<field>`; per-process figures are left out (see `result.per_process`)."""
+    `plan_<field>`, a delta refit's figures as `delta_<field>` (its fallbacks counted);
+    per-process figures are left out (see `result.per_process`)."""
     out: dict[str, Any] = {
         "version": result.version, "seconds": result.seconds, "strategy": result.strategy,
         **{f"{p}_bytes": int(result.bytes_by_path.get(p, 0)) for p in PATHS},
@@ -109,6 +110,15 @@ def refit_dict(result) -> dict[str, Any]:
         "warnings": [str(w) for w in getattr(result, "warnings", ())],
     }
     out.update({f"plan_{k}": v for k, v in dataclasses.asdict(result.plan_stats).items()})
+    delta = getattr(result, "delta", None)
+    if delta:
+        for k, v in delta.items():
+            if k == "encodings":
+                out.update({f"delta_{e}_buckets": n for e, n in v.items()})
+            elif k == "fallbacks":
+                out["delta_fallbacks"] = len(v)
+            else:
+                out[f"delta_{k}"] = v
     return out
 
 

@@ -19,9 +19,10 @@ class Reshard:
         return compile_program(plan, endpoints, bucket_bytes, proc_of, transfers,
                                per_item_min_bytes(device_type))
 
-    def execute(self, wg, prog, views: dict, deadline: float, token: Any = None) -> dict:
+    def execute(self, wg, prog, views: dict, deadline: float, token: Any = None,
+                delta=None) -> dict:
         return executor.run_program(prog.compiled, views, executor.transports(wg), deadline,
-                                    token)
+                                    token, delta)
 
 
 class GatherBroadcast:
@@ -41,7 +42,10 @@ class GatherBroadcast:
                     pg.subgroup(ranks)
         return steps
 
-    def execute(self, wg, prog, views: dict, deadline: float, token: Any = None) -> dict:
+    def execute(self, wg, prog, views: dict, deadline: float, token: Any = None,
+                delta=None) -> dict:
+        if delta is not None:
+            raise ValueError("the gather_broadcast strategy sends whole tensors: no delta refits")
         from .gather_broadcast import execute
         return execute(wg, prog, views, deadline)
 

@@ -61,6 +61,7 @@ class _Program:
     dst_storages: tuple = ()              # local tensor names the destination shards live in
     checked_dst: Any = None               # `checked` of the destination shards alone
     nbytes: int = 0                       # memory of its objects, once measured (program_bytes)
+    baselines: Any = None                 # delta refits: what it sent last (delta.Baselines)
 
 
 @dataclass
@@ -87,6 +88,9 @@ class _WorkerGroup:
     # A non-atomic refit this process finished: it becomes `version` once the driver says every
     # process finished it (the `committed` argument of the next call), so one call per refit.
     done: Optional[int] = None
+    # The version whose bytes this process's destination shards hold, as far as delta refits
+    # are concerned: None when not known (joined, a refit failed part-way or is running).
+    held: Optional[int] = None
 
 
 def probe(actor) -> dict:
@@ -141,39 +145,46 @@ def install(actor, group_id: str, key, plan: Plan, transfers: Optional[list],
     `transfers`, this process's share, when given). Returns {peer process: largest bucket this
     process sends it outside the network}, for sizing shared-memory rings."""
     wg = _group(group_id)
-    plan.localize(wg.endpoints)
-    held, shards = [], []
-    for ep in sorted(wg.endpoints, key=lambda e: (e.side, e.rank)):
-        layout_boxes: dict = {}
-        for ti, spec in enumerate(plan.specs):
-            lay = spec.layout(ep.side)
-            k = (id(lay), spec.shape)
-            box = layout_boxes.get(k, False)
-            if box is False:
-                box = layout_boxes[k] = lay.box(ep.rank, spec.shape)
-            if box is not None:
-                shard = (ep.side, ep.rank, ti)
-                held.append(shard)
-                name = plan.names[ti]
-                shards.append(_Shard(shard, name, spec, spec.slot(ep.side, ep.rank, name),
-                                     box.sizes,
-                                     spec.source_dtype if ep.side == "src" else spec.dtype))
-    names = [sh.slot.storage for sh in shards]
-    names += [sh.spec.quant.scale_storage(sh.slot.storage) for sh in shards
-              if sh.key[0] == "dst" and sh.spec.quant is not None]   # block FP8 scales
-    dst_names = [sh.slot.storage for sh in shards if sh.key[0] == "dst"]
-    dst_names += [sh.spec.quant.scale_storage(sh.slot.storage) for sh in shards
-                  if sh.key[0] == "dst" and sh.spec.quant is not None]
-    prog = _Program(plan, held, strategy, shards=shards, storages=tuple(dict.fromkeys(names)),
-                    dst_storages=tuple(dict.fromkeys(dst_names)))
-    strat = strategies.STRATEGIES[strategy]
-    if strategy == "gather_broadcast":
-        prog.gb_steps = strat.install(plan, wg.endpoints, wg.bucket_bytes, wg.ep_pid, wg.pg)
-        ring = {}
-    else:
-        prog.compiled = strat.install(plan, wg.endpoints, wg.bucket_bytes, wg.ep_pid,
-                                      transfers=transfers, device_type=wg.device.type)
-        ring = dict(prog.compiled.max_ring_bytes)
+    # The specs, one shard per held tensor and the compiled program are acyclic objects (tens
+    # of thousands at scale): one collector pass once they are built, not passes rescanning
+    # them while they grow.
+    with gc_paused(keep=True):
+        plan.localize(wg.endpoints)
+        specs, plan_names = plan.specs, plan.names
+        held, shards = [], []
+        for ep in sorted(wg.endpoints, key=lambda e: (e.side, e.rank)):
+            side, rank = ep.side, ep.rank
+            is_src = side == "src"
+            layout_boxes: dict = {}
+            for ti, spec in enumerate(specs):
+                lay = spec.src if is_src else spec.dst
+                k = (id(lay), spec.shape)
+                box = layout_boxes.get(k, False)
+                if box is False:
+                    box = layout_boxes[k] = lay.box(rank, spec.shape)
+                if box is not None:
+                    shard = (side, rank, ti)
+                    held.append(shard)
+                    name = plan_names[ti]
+                    shards.append(_Shard(shard, name, spec, spec.slot(side, rank, name),
+                                         box.sizes, spec.source_dtype if is_src else spec.dtype))
+        names = [sh.slot.storage for sh in shards]
+        names += [sh.spec.quant.scale_storage(sh.slot.storage) for sh in shards
+                  if sh.key[0] == "dst" and sh.spec.quant is not None]   # block FP8 scales
+        dst_names = [sh.slot.storage for sh in shards if sh.key[0] == "dst"]
+        dst_names += [sh.spec.quant.scale_storage(sh.slot.storage) for sh in shards
+                      if sh.key[0] == "dst" and sh.spec.quant is not None]
+        prog = _Program(plan, held, strategy, shards=shards,
+                        storages=tuple(dict.fromkeys(names)),
+                        dst_storages=tuple(dict.fromkeys(dst_names)))
+        strat = strategies.STRATEGIES[strategy]
+        if strategy == "gather_broadcast":
+            prog.gb_steps = strat.install(plan, wg.endpoints, wg.bucket_bytes, wg.ep_pid, wg.pg)
+            ring = {}
+        else:
+            prog.compiled = strat.install(plan, wg.endpoints, wg.bucket_bytes, wg.ep_pid,
+                                          transfers=transfers, device_type=wg.device.type)
+            ring = dict(prog.compiled.max_ring_bytes)
     wg.programs[key] = prog
     return ring
 
@@ -405,7 +416,7 @@ def _aliased_sources(views: dict) -> list:
 @torch.inference_mode()
 def run(actor, group_id: str, key, timeout_s: float, version: int, atomic: bool = False,
         snapshot: bool = False, vote: Optional[str] = None,
-        committed: Optional[int] = None) -> dict:
+        committed: Optional[int] = None, delta: Optional[str] = None) -> dict:
     """Check this process's local tensors, agree with every member, then execute this
     process's program; returns its statistics.
 
@@ -419,7 +430,9 @@ def run(actor, group_id: str, key, timeout_s: float, version: int, atomic: bool 
     source shards are copied first and sent from the copies. Source shards that share memory
     with this process's destination shards (colocated refits) are copied first in any case
     (unless `atomic` already keeps destinations apart), so no byte is read after it was
-    overwritten. Any failure here aborts this process's channels, so peers fail at once.
+    overwritten. With `delta` (where baselines live: "device" or "host") network buckets
+    travel as deltas (see delta.py). Any failure here aborts this process's channels, so peers
+    fail at once.
     """
     wg = _group(group_id)
     _settle_version(wg, committed)
@@ -430,8 +443,9 @@ def run(actor, group_id: str, key, timeout_s: float, version: int, atomic: bool 
     captured, wg.captured = wg.captured, None
     try:
         # Cyclic collections would rescan the programs' many objects again and again, for
-        # the small acyclic ones checking and running allocate.
-        with gc_paused():
+        # the small acyclic ones checking and running allocate. What stays (a first refit's
+        # bound regions) is kept for the program's life.
+        with gc_paused(keep=True):
             prog = wg.programs[key]
             if captured is not None and captured[0] != key:
                 raise RuntimeError(f"process {wg.pid} captured sources of another refit")
@@ -469,9 +483,16 @@ def run(actor, group_id: str, key, timeout_s: float, version: int, atomic: bool 
                 for k, v in views.items():
                     if k[0] == "dst":
                         targets[k] = v
-                        views[k] = torch.empty_like(v)
+                        # a delta applies onto what the destination holds: stage a copy of it
+                        views[k] = v.clone() if delta else torch.empty_like(v)
                         extra += v.numel() * v.element_size()
-            stats = strategies.STRATEGIES[prog.strategy].execute(wg, prog, views, deadline, token)
+            run_delta = None
+            if delta:
+                run_delta = _delta_run(wg, prog, delta, version)
+            if not atomic:
+                wg.held = None            # written in place from here on
+            stats = strategies.STRATEGIES[prog.strategy].execute(wg, prog, views, deadline, token,
+                                                                 run_delta)
     except BaseException as e:
         _abort_channels(wg, f"{type(e).__name__}: {e}")
         raise
@@ -487,13 +508,26 @@ def run(actor, group_id: str, key, timeout_s: float, version: int, atomic: bool 
     return stats
 
 
+def _delta_run(wg: _WorkerGroup, prog: _Program, place: str, version: int):
+    from .delta import Baselines, DeltaRun
+    if prog.baselines is None or prog.baselines.place != place:
+        prog.baselines = Baselines(place)
+    return DeltaRun(prog.baselines, version, wg.held, wg.device, wg.pid)
+
+
 def _settle_version(wg: _WorkerGroup, committed: Optional[int]) -> None:
     """Take the driver's word on the last refit: finished everywhere (`committed` is its
-    version) or not (the data stays, the version does not move)."""
-    if committed is not None and wg.done is not None:
+    version) or not (the data stays, the version does not move). Delta baselines written by
+    that refit hold from now on, or not at all."""
+    if committed is None:
+        return
+    if wg.done is not None:
         if wg.done == committed:
-            wg.version = committed
+            wg.version = wg.held = committed
         wg.done = None
+    for prog in wg.programs.values():
+        if prog.baselines is not None:
+            prog.baselines.settle(committed)
 
 
 @torch.inference_mode()
@@ -548,9 +582,9 @@ def commit(actor, group_id: str, version: int) -> int:
         _swap(target, staged)
     if wg.device.type == "cuda":
         torch.cuda.synchronize(wg.device)
-    wg.undo = (wg.version, pairs)
+    wg.undo = (wg.version, wg.held, pairs)
     wg.staged = None
-    wg.version = version
+    wg.version = wg.held = version
     return version
 
 
@@ -570,12 +604,12 @@ def rollback(actor, group_id: str) -> int:
         return -1
     wg.staged = None
     if wg.undo is not None:
-        old_version, pairs = wg.undo
+        old_version, old_held, pairs = wg.undo
         for target, saved in pairs:
             _swap(target, saved)
         if wg.device.type == "cuda":
             torch.cuda.synchronize(wg.device)
-        wg.version = old_version
+        wg.version, wg.held = old_version, old_held
         wg.undo = None
     return wg.version
 
