@@ -84,6 +84,43 @@ def test_plan_and_simulate_several_inference_groups():
     assert sim["predicted_s"] > 0
 
 
+def test_plan_and_simulate_changed_fraction():
+    """`--changed-fraction`: the plan report and the simulator predict the same delta network
+    bytes (the codec's size per network bucket), labelled as a prediction."""
+    common = ["--model", "small-moe", "--train", "megatron:pp=2,ep=2,dp=2", "--infer",
+              "vllm:tp=2,dp=2,ep=2"]
+    plan = json.loads(run("-m", "ray_reshard", "plan", *common, "--gpus-per-node", "2",
+                          "--changed-fraction", "0.1", "--json").stdout)
+    d = plan["delta"]
+    assert d["dense_network_bytes"] == plan["bytes_by_path"]["network"]
+    # bf16 at 10% changed: a bit per element (1/16 of the bytes) and the changed tenth
+    assert d["network_bytes"] == pytest.approx(d["dense_network_bytes"] * (1 / 16 + 0.1),
+                                               rel=0.01)
+    assert d["encodings"]["mask"] == d["buckets"] == plan["buckets_by_path"]["network"]
+    assert d["buckets_exact"] and any("prediction" in a for a in d["assumptions"])
+    text = run("-m", "ray_reshard", "plan", *common, "--gpus-per-node", "2",
+               "--changed-fraction", "0.001").stdout
+    net, dense = figure(r"network " + NUM + r" GB vs dense " + NUM + " GB", text)
+    assert "delta refit, PREDICTED for 0.001 of the elements changed" in text
+    assert 0 < net < 0.01 * dense
+    sim = json.loads(run("-m", "ray_reshard", "simulate", *common, "--gpus-per-domain", "2",
+                         "--cluster", "local", "--changed-fraction", "0.1", "--json").stdout)
+    assert sim["delta"]["network_bytes"] == d["network_bytes"]
+    assert sim["delta"]["dense_network_bytes"] == d["dense_network_bytes"]
+    assert sim["delta"]["predicted_s"] > 0 and sim["delta"]["dense_predicted_s"] > 0
+
+
+def test_plan_changed_fraction_out_of_range(capsys):
+    from ray_reshard.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--model", "small-moe", "--train", "megatron:pp=2", "--infer",
+              "vllm:tp=2", "--changed-fraction", "2"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert "--changed-fraction" in err and "[0, 1]" in err
+
+
 def test_model_bytes_small():
     out = run("-m", "ray_reshard", "model-bytes", "--models", "small-moe").stdout
     row = next(line for line in out.splitlines() if line.startswith("small Qwen3-MoE"))

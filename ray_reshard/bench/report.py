@@ -49,6 +49,20 @@ SECTIONS = {
                  ["ray_reshard", "simulate", "--model", "small-moe", "--train",
                   "megatron:pp=2,ep=2,dp=2", "--infer", "vllm:tp=2,dp=2,ep=2",
                   "--gpus-per-domain", "2"], "stdout"),
+    "delta": ("Delta refits vs dense refits at synthetic changed fractions",
+              ["ray_reshard", "bench-delta", "--synthetic", "0,0.001,0.1,0.5,1.0", "--mb", "256",
+               "--repeats", "5"],
+              ["ray_reshard", "bench-delta", "--small", "--synthetic", "0,0.1,1.0"], False),
+    "delta-trace": ("Delta refits vs dense refits along an RL-like training trace",
+                    ["ray_reshard", "bench-delta", "--mb", "256", "--steps", "5", "--lr", "1e-6"],
+                    ["ray_reshard", "bench-delta", "--small"], False),
+    "delta-simulate": ("A delta refit predicted on a real cluster",
+                       ["ray_reshard", "simulate", "--model", "llama70b", "--train",
+                        "megatron:tp=8,pp=4", "--infer", "vllm:tp=8,dp=4", "--cluster",
+                        "dgx-h100", "--changed-fraction", "0.1", "--sensitivity", "on"],
+                       ["ray_reshard", "simulate", "--model", "small-moe", "--train",
+                        "megatron:pp=2,ep=2,dp=2", "--infer", "vllm:tp=2,dp=2,ep=2",
+                        "--gpus-per-domain", "2", "--changed-fraction", "0.1"], False),
     "published": ("Published refit figures beside predictions",
                   ["ray_reshard.bench.sim_published"],
                   ["ray_reshard.bench.sim_published", "--rows", "7"], False),
@@ -222,21 +236,32 @@ def render_text(r: dict) -> list:
 
 RENDER = {"peers": render_peers, "first-refit": render_first_refit, "replay": render_text,
           "calibrate": render_calibrate, "simulate": render_simulate,
+          "delta": render_text, "delta-trace": render_text, "delta-simulate": render_text,
           "published": render_text}
 NOTES = {
     "peers": "Raw point-to-point is the group's own plain send of the same network bytes, source "
              "i to destination i, two messages in flight (bucket-sized or one per pair). It is "
              "a baseline, not a proven ceiling: where reshard's share exceeds 1, reshard's "
              "wire format (large items as their own messages, a wider window) moved the bytes "
-             "faster than it. Where a goal is not met the table says so; the many-tensor "
-             "cases spend reshard's time in per-tensor work (each refit's check of every local "
-             "tensor, one copy per item when packing and unpacking) on cores every actor "
-             "shares.",
+             "faster than it. Where a goal is not met the table says so. Reshard does work the "
+             "raw sends do not, on the same two cores that run the loopback network: it "
+             "forwards the second replica's bytes inside the destination node (a copy into a "
+             "shared-memory ring and one out of it, per byte), and below 64 KiB per item it "
+             "packs and unpacks every item (two more copies per byte, and a per-item cost), "
+             "besides each refit's check of every local tensor.",
     "replay": "`compile s` is a process's own share and program; the network turns, which the "
               "driver computes once and ships with the plan, are timed apart (`turns s`, on the "
               "first rank of a layout: the plan keeps them). Before they were timed apart, "
               "the compile column of a layout whose buckets go in turns included that "
-              "driver-side work.",
+              "driver-side work. `bind s` and the rebind columns bind as the runtime does, "
+              "inside a refit with the cyclic collector paused; before, the first bind's "
+              "column also held collector passes over the freshly built program, which a "
+              "refit never runs.",
+    "delta": "Every delta refit is checked bit-identical to the trainer's weights. The "
+             "\"network\" here is loopback between two simulated nodes on the same two cores "
+             "that pack, compare, encode and decode, so the bytes a delta refit saves do not "
+             "pay for the work it adds: see [Delta refits](delta.md) for the mechanism and the "
+             "simulator's predictions for clusters whose NICs bound a refit.",
     "published": "Published figures exactly as their sources give them; every figure of ours "
                  "in that table is a prediction, with the assumptions printed above it.",
 }

@@ -17,10 +17,13 @@ import sys
 import time
 from typing import Optional
 
-from ..cli_args import MODELS, describe, even_out_stages, infer_arg, model_arg, say, train_arg
+from ..cli_args import (MODELS, describe, even_out_stages, fraction_arg, infer_arg, model_arg, say,
+                        train_arg)
 from ..planning.plan import DEFAULT_BUCKET_BYTES
 from .bound import check_plan, layout_bound
 from .cluster import GB, NOT_MODELLED, PRESETS, constants, preset, uncertain
+from .delta import ASSUMPTIONS as DELTA_ASSUMPTIONS
+from .delta import DELTA_CONSTANTS, simulate_delta
 from .engine import (RING_RECV, gather_broadcast_seconds, messages_aggregate, messages_exact,
                      replay, simulate)
 
@@ -83,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="slots per ring (default 2, the executor's; 0: no limit, a what-if)")
     ap.add_argument("--timeline", default=None, help="rank whose timeline to show, e.g. dst:0 "
                                                      "(default: the one with the busiest link)")
+    ap.add_argument("--changed-fraction", type=fraction_arg, metavar="F",
+                    help="also predict a delta refit with this fraction of the elements changed "
+                         "since the previous one (e.g. 0.1)")
+    ap.add_argument("--delta-encode-gbps", type=float,
+                    help="a delta refit's sender: bucket GB compared and encoded per second")
+    ap.add_argument("--delta-decode-gbps", type=float,
+                    help="a delta refit's receiver: bucket GB decoded and checked per second")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--sensitivity", choices=("on", "off"), default=None,
                     help="also predict with each uncertain constant halved and doubled "
@@ -113,7 +123,9 @@ def run(args, variants: Optional[dict] = None) -> dict:
         shard_s=None if args.shard_us is None else args.shard_us * 1e-6,
         step_s=None if args.step_us is None else args.step_us * 1e-6,
         copy_tables=_on(args.copy_tables), host_overlap=_on(args.host_overlap),
-        ring_carry=_on(args.ring_carry), ring_slots=args.ring_slots)
+        ring_carry=_on(args.ring_carry), ring_slots=args.ring_slots,
+        delta_encode_Bps=None if args.delta_encode_gbps is None else args.delta_encode_gbps * GB,
+        delta_decode_Bps=None if args.delta_decode_gbps is None else args.delta_decode_gbps * GB)
     if args.window is not None and not 1 <= args.window <= 16:
         raise ValueError(f"--window must be in 1..16, got {args.window}")
     if args.bucket_mb <= 0:
@@ -136,7 +148,8 @@ def run(args, variants: Optional[dict] = None) -> dict:
     given = tuple(n for n, v in (
         ("gpus_per_domain", args.gpus_per_domain), ("nvlink_Bps", args.nvlink_gbps),
         ("nic_Bps", args.nic_gbit), ("latency_s", args.latency_us), ("item_s", args.item_us),
-        ("tensor_s", args.tensor_us), ("shard_s", args.shard_us), ("step_s", args.step_us))
+        ("tensor_s", args.tensor_us), ("shard_s", args.shard_us), ("step_s", args.step_us),
+        ("delta_encode_Bps", args.delta_encode_gbps), ("delta_decode_Bps", args.delta_decode_gbps))
         if v is not None)
     t0 = time.perf_counter()
     specs = recipe_specs(config, train, infer, dtype)
@@ -173,15 +186,65 @@ def run(args, variants: Optional[dict] = None) -> dict:
                direct_network_bytes=direct.network_bytes,
                cluster_description=cl.describe(), constants=consts,
                not_modelled=list(NOT_MODELLED), layout_bound=lb.as_dict(),
-               plan_within_layout_bound=short is None, plan_check=short or "ok",
-               wall_s=time.perf_counter() - t0)
+               plan_within_layout_bound=short is None, plan_check=short or "ok")
     if sensitivity is not None:
         out["sensitivity"] = sensitivity
         lows = [x for s in sensitivity for x in (s["half_s"], s["double_s"])] + [res.predicted_s]
         out["sensitivity_range_s"] = [min(lows), max(lows)]
     if variants:
         out["variants"] = predicted
+    if args.changed_fraction is not None:
+        out["delta"] = _delta(p, msgs, cl, bucket, args, given, sensitivity is not None,
+                              res.predicted_s)
+    out["wall_s"] = time.perf_counter() - t0
     return out
+
+
+def _delta(p, msgs, cl, bucket, args, given, sensitivity: bool, dense_s: float) -> dict:
+    """The delta refit's prediction (`sim.delta`), beside the dense one."""
+    d = simulate_delta(p, msgs, cl, bucket, args.changed_fraction, args.window, args.ring_recv)
+    d.update(dense_predicted_s=dense_s, over_dense_s=d["predicted_s"] / dense_s,
+             over_dense_bytes=(d["network_bytes"] / d["dense_network_bytes"]
+                               if d["dense_network_bytes"] else None),
+             constants=constants(cl, args.cluster, given, delta=True),
+             assumptions=list(DELTA_ASSUMPTIONS))
+    if sensitivity:
+        d["sensitivity"] = []
+        for name in DELTA_CONSTANTS:
+            v = getattr(cl, name)
+            again = lambda c: simulate_delta(p, msgs, c, bucket, args.changed_fraction,
+                                             args.window, args.ring_recv)["predicted_s"]
+            d["sensitivity"].append({"name": name, "half_s": again(cl.with_(**{name: v / 2})),
+                                     "double_s": again(cl.with_(**{name: v * 2}))})
+    return d
+
+
+def render_delta(d: dict) -> str:
+    """The delta prediction as text (labelled a prediction, with its assumptions)."""
+    gbs = lambda b: f"{b / 1e9:,.3f} GB"
+    lines = [
+        f"delta refit, PREDICTED for {d['changed_fraction']:g} of the elements changed since "
+        f"the previous delta refit:",
+        f"  delta              predicted {d['predicted_s']:8.3f} s  (dense "
+        f"{d['dense_predicted_s']:.3f} s: {d['over_dense_s']:.2f}x)",
+        f"  network {gbs(d['network_bytes'])} vs dense {gbs(d['dense_network_bytes'])}"
+        + (f" ({d['over_dense_bytes']:.3f}x)" if d["over_dense_bytes"] is not None else "")
+        + "; network buckets " + ", ".join(f"{k} {n}" for k, n in d["encodings"].items()),
+        "  constants (value, provenance, source):",
+    ]
+    for c in d["constants"]:
+        lines.append(f"    {c['name']:<18} {c['value']:>12.4g}  {c['provenance']:<21} "
+                     f"{c['source']}")
+    if d.get("sensitivity"):
+        lo = min(min(s["half_s"], s["double_s"]) for s in d["sensitivity"])
+        hi = max(max(s["half_s"], s["double_s"]) for s in d["sensitivity"])
+        lines.append(f"  sensitivity: predicted {min(lo, d['predicted_s']):.3f}-"
+                     f"{max(hi, d['predicted_s']):.3f} s with each codec constant halved or "
+                     f"doubled (one at a time):")
+    for s in d.get("sensitivity", ()):
+        lines.append(f"    {s['name']:<18} x0.5 {s['half_s']:.3f} s   x2 {s['double_s']:.3f} s")
+    lines.append("  assumptions: " + "; ".join(d["assumptions"]))
+    return "\n".join(lines)
 
 
 def render(o: dict) -> str:
@@ -243,6 +306,8 @@ def render(o: dict) -> str:
     else:
         lines.append("(--sensitivity on: the prediction with each uncertain constant halved and "
                      "doubled)")
+    if "delta" in o:
+        lines.append(render_delta(o["delta"]))
     lines.append(f"(simulated in {o['wall_s']:.1f} s)")
     return "\n".join(lines)
 

@@ -37,6 +37,16 @@ REPLAY_ITEM_S = 3.1e-6
 # measures it on a GPU host (step `copy_tables`).
 MEASURED_STEP_S = 4.7e-6
 LAUNCH_S = 20e-6
+# A delta refit's codec (execution/delta.py), in bucket bytes per second at each end: the
+# sender's compare against its baseline and encoding, the receiver's decoding and checksum.
+# On a GPU an assumption (the codec's few torch ops over a bucket, each a pass over HBM), not
+# a measurement; the local preset's are the codec line of `python -m ray_reshard bench-delta
+# --mb 256 --steps 5 --lr 1e-6` (one CPU thread, a 16 MiB bf16 bucket with 10% of its elements
+# changed; run 2026-12-04 16:25 UTC, on the benchmark page docs/benchmarks.md).
+ASSUMED_DELTA_ENCODE_BPS = 300e9
+ASSUMED_DELTA_DECODE_BPS = 300e9
+MEASURED_DELTA_ENCODE_BPS = 1.03e9
+MEASURED_DELTA_DECODE_BPS = 0.97e9
 
 
 @dataclass(frozen=True)
@@ -76,11 +86,16 @@ class Cluster:
     host_overlap: bool = False          # the host issues a copy and goes on while the GPU runs
                                         # it (a ring slot published on its event): steps on the
                                         # host's clock, copies on the stream's
+    delta_encode_Bps: float = ASSUMED_DELTA_ENCODE_BPS  # a delta refit's sender: bucket
+                                        # bytes compared with the baseline and encoded per second
+    delta_decode_Bps: float = ASSUMED_DELTA_DECODE_BPS  # its receiver: bucket bytes decoded
+                                        # and checksummed per second
 
     def __post_init__(self):
         if self.gpus_per_domain < 1:
             raise ValueError(f"gpus_per_domain must be >= 1, got {self.gpus_per_domain}")
-        for n in ("nvlink_Bps", "nic_Bps", "copy_Bps", "contig_copy_Bps"):
+        for n in ("nvlink_Bps", "nic_Bps", "copy_Bps", "contig_copy_Bps", "delta_encode_Bps",
+                  "delta_decode_Bps"):
             if not getattr(self, n) > 0:
                 raise ValueError(f"{n} must be positive, got {getattr(self, n)}")
         if self.ring_slots < 0:
@@ -151,7 +166,8 @@ PRESETS = {
                      item_s=0.6e-6, tensor_s=2.3e-6, message_s=20.3e-6, fabric_Bps=3.50 * GB,
                      domain_fabric_Bps=11.87 * GB, refit_overhead_s=7.4e-3, copy_Bps=7.71 * GB,
                      contig_copy_Bps=16.01 * GB, cpu_cores=2, broadcast="flat",
-                     per_item_min_bytes=64 << 10),
+                     per_item_min_bytes=64 << 10, delta_encode_Bps=MEASURED_DELTA_ENCODE_BPS,
+                     delta_decode_Bps=MEASURED_DELTA_DECODE_BPS),
 }
 
 
@@ -203,10 +219,31 @@ PROVENANCE = {
 }
 
 
-def constants(cluster: Cluster, preset_name: str, given: tuple = ()) -> list:
+_DELTA_GPU = {
+    "delta_encode_Bps": (ASSUMED, "300 GB/s: the codec's compare and compaction, a few passes "
+                                  "over HBM per bucket byte (not measured on a GPU)"),
+    "delta_decode_Bps": (ASSUMED, "300 GB/s: the codec's decode and checksum, a few passes "
+                                  "over HBM per bucket byte (not measured on a GPU)"),
+}
+# The constants only a delta refit's prediction charges (`sim.delta`).
+DELTA_PROVENANCE = {
+    "dgx-h100": _DELTA_GPU, "gb200-nvl72": _DELTA_GPU,
+    "local": {n: (MEASURED_CPU, "python -m ray_reshard bench-delta: its codec line (one "
+                                "thread, 10% changed; see docs/benchmarks.md)")
+              for n in ("delta_encode_Bps", "delta_decode_Bps")},
+}
+
+
+def constants(cluster: Cluster, preset_name: str, given: tuple = (), delta: bool = False
+              ) -> list:
     """Every numeric constant the simulator charges, with its value and provenance:
-    [{"name", "value", "provenance", "source"}]. `given`: names set on the command line."""
-    prov = PROVENANCE.get(preset_name, {})
+    [{"name", "value", "provenance", "source"}]. `given`: names set on the command line;
+    `delta`: the constants of a delta refit's prediction instead."""
+    prov = (DELTA_PROVENANCE if delta else PROVENANCE).get(preset_name, {})
+    if delta:
+        given = tuple(n for n in given if n in DELTA_PROVENANCE["local"])
+    else:
+        given = tuple(n for n in given if n not in DELTA_PROVENANCE["local"])
     out = []
     for name, (kind, source) in prov.items():
         value = getattr(cluster, name)

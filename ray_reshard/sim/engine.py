@@ -127,6 +127,12 @@ class Messages:
     parent: np.ndarray
     mode: str
     slot: Optional[np.ndarray] = None   # the key's position in its round (groups, forwards)
+    itemsize: Optional[np.ndarray] = None   # the smallest element size of a bucket's items
+    # A delta refit's buckets (`sim.delta.delta_messages`): bytes each sender compares against
+    # its baseline and each receiver decodes; their copies are then final (every network
+    # bucket packed at both ends), and `nbytes` is the payload.
+    encode_bytes: Optional[np.ndarray] = None
+    decode_bytes: Optional[np.ndarray] = None
 
 
 # Network items at least this large travel as their own messages on CPU devices (the
@@ -227,6 +233,7 @@ def messages_exact(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Mess
     staging = _Staging(plan)
     isz = [spec.itemsize for spec in plan.specs]
     row_of: dict = {}
+    itemsize = np.empty(n, dtype=np.int64)
     for i, t in enumerate(ts):
         rnd[i], slot[i] = t.key[0], t.key[2]
         order[i] = FORWARD_ORDER if t.src.side == "dst" else t.key[1]
@@ -237,6 +244,7 @@ def messages_exact(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Mess
         it[i] = len(t.items)
         acc = [0, 0, 0, 0]
         smallest = None
+        itemsize[i] = min(isz[item.tensor] for item in t.items)
         for item in t.items:
             nbytes = item.box.numel * isz[item.tensor]
             smallest = nbytes if smallest is None else min(smallest, nbytes)
@@ -249,7 +257,7 @@ def messages_exact(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Mess
             row_of[t.key] = i
         parent[i] = row_of.get(parent_key(t), -1) if order[i] == FORWARD_ORDER else -1
     return Messages(rnd, order, snd, rcv, pth, nb, it, ss, sr, cs, cr, per_item, parent, "exact",
-                    slot)
+                    slot, itemsize)
 
 
 def _share_of(total: int, n: int, k: int) -> int:
@@ -270,11 +278,11 @@ def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
     staging = _Staging(plan)
     # per (sender, receiver, path, parent) - parent: for a forwarded piece the source whose
     # network bucket brought it in, else -1 - bytes, items, strided sent, contiguous sent,
-    # strided received, contiguous received, smallest move
-    pairs: dict[tuple, list] = defaultdict(lambda: [0, 0, 0, 0, 0, 0, 1 << 62])
+    # strided received, contiguous received, smallest move, smallest itemsize
+    pairs: dict[tuple, list] = defaultdict(lambda: [0, 0, 0, 0, 0, 0, 1 << 62, 1 << 62])
     for tp, count, ti in plan.distinct_plans:
         isz = tp.itemsize
-        per = defaultdict(lambda: [0, 0, 0, 0, 0, 0, 1 << 62])
+        per = defaultdict(lambda: [0, 0, 0, 0, 0, 0, 1 << 62, isz])
         brought_by = {(m.dst, m.box): m.src.rank for m in tp.moves
                       if m.path == NETWORK and m.src.side == "src"}
         for m in tp.moves:
@@ -297,7 +305,8 @@ def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
             for j in range(6):
                 e[j] += count * v[j]
             e[6] = min(e[6], v[6])
-    rows = []       # (key, sender, receiver, path, bytes, items, 4 copied counts, per item)
+            e[7] = min(e[7], v[7])
+    rows = []   # (key, sender, receiver, path, bytes, items, 4 copied counts, per item, itemsize)
     turns = plan.network_turns(bucket_bytes)      # the schedule's, so its bucket counts too
     net_of = {}
     for (snd, rcv, code, parent), v in pairs.items():
@@ -306,7 +315,7 @@ def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
                  else max(1, -(-v[0] // bucket_bytes)))
             net_of[(snd, rcv)] = (n, v[0])
     # what each forwarder passes to each target per round: (f, t, path, k) -> totals
-    fwd: dict[tuple, list] = defaultdict(lambda: [0.0] * 6)
+    fwd: dict[tuple, list] = defaultdict(lambda: [0.0] * 6 + [1 << 62])
     for (snd, rcv, code, parent), v in pairs.items():
         if parent >= 0:
             # The pieces a target takes from a network pair fill about their share of that
@@ -324,6 +333,7 @@ def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
                 e = fwd[(snd, rcv, code, keys[k][0], forward_segment(keys[k][2], n_src, n_dst))]
                 for j in range(6):
                     e[j] += v[j] * size / whole
+                e[6] = min(e[6], v[7])
             continue
         n = net_of[(snd, rcv)][0]
         tot, items = v[0], v[1]
@@ -334,7 +344,7 @@ def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
             it = max(1, items // n + (k < items % n))
             rows.append((keys[k], snd, rcv, code, nb, it,
                          *(int(v[j] * share) for j in (2, 3, 4, 5)),
-                         code == 0 and v[6] >= IN_PLACE_MIN_BYTES))
+                         code == 0 and v[6] >= IN_PLACE_MIN_BYTES, v[7]))
     for (f, t, code, k, seg), v in fwd.items():
         tot = int(round(v[0]))
         n = max(1, -(-tot // bucket_bytes))
@@ -345,7 +355,7 @@ def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
             key = forward_key(k, seg, f - n_src, t - n_src, PATHS[code], c, (k, 0, 0, 0), n_src,
                               n_dst)
             rows.append((key, f, t, code, nb, it, *(int(v[j] * share) for j in (2, 3, 4, 5)),
-                         False))
+                         False, v[6]))
     rows.sort(key=lambda r: r[0])
     n = len(rows)
     col = lambda j, dt=np.int64: np.fromiter((r[j] for r in rows), dtype=dt, count=n)
@@ -356,7 +366,7 @@ def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
                     np.where(fwd_row, FORWARD_ORDER, path), col(1), col(2), path, col(4),
                     col(5), col(6), col(8), col(7), col(9), col(10, bool),
                     np.full(n, -1, dtype=np.int64), "aggregate",
-                    np.fromiter((k[2] for k in keys), dtype=np.int64, count=n))
+                    np.fromiter((k[2] for k in keys), dtype=np.int64, count=n), col(11))
 
 
 def simulate(plan: Plan, cluster: Cluster, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -456,7 +466,7 @@ def _work(msgs: Messages, cluster: Cluster) -> tuple[np.ndarray, np.ndarray, np.
     every network byte is staged, contiguous or not)."""
     ss, cs = msgs.strided_send.astype(np.float64), msgs.contig_send.astype(np.float64)
     sr, cr = msgs.strided_recv.astype(np.float64), msgs.contig_recv.astype(np.float64)
-    if cluster.per_item_min_bytes is None:
+    if cluster.per_item_min_bytes is None and msgs.encode_bytes is None:
         net = msgs.path == PATH_CODE[NETWORK]
         cs = np.where(net, msgs.nbytes - ss, cs)
         cr = np.where(net, msgs.nbytes - sr, cr)
@@ -464,8 +474,12 @@ def _work(msgs: Messages, cluster: Cluster) -> tuple[np.ndarray, np.ndarray, np.
     if cluster.per_item_min_bytes is not None and cluster.message_s:
         base = base + np.where(msgs.per_item, msgs.items * cluster.message_s, 0.0)
     base = np.broadcast_to(np.asarray(base, dtype=np.float64), msgs.nbytes.shape)
-    return (base, ss / cluster.copy_Bps + cs / cluster.contig_copy_Bps,
-            sr / cluster.copy_Bps + cr / cluster.contig_copy_Bps)
+    send = ss / cluster.copy_Bps + cs / cluster.contig_copy_Bps
+    recv = sr / cluster.copy_Bps + cr / cluster.contig_copy_Bps
+    if msgs.encode_bytes is not None:
+        send = send + msgs.encode_bytes / cluster.delta_encode_Bps
+        recv = recv + msgs.decode_bytes / cluster.delta_decode_Bps
+    return base, send, recv
 
 
 def replay(plan: Plan, msgs: Messages, cluster: Cluster, bucket_bytes: int,
@@ -554,6 +568,8 @@ def _in_run_order(msgs: Messages, span: int) -> Messages:
     cols = {f: getattr(msgs, f)[o] for f in ("round", "order", "sender", "receiver", "path",
                                              "nbytes", "items", "strided_send", "strided_recv",
                                              "contig_send", "contig_recv", "per_item", "slot")}
+    cols.update({f: getattr(msgs, f)[o] for f in ("itemsize", "encode_bytes", "decode_bytes")
+                 if getattr(msgs, f) is not None})
     return Messages(parent=np.where(par >= 0, inv[np.maximum(par, 0)], -1), mode=msgs.mode,
                     **cols)
 

@@ -93,3 +93,18 @@ def test_cli_json_reports_provenance_bound_and_sensitivity(capsys):
     assert "latency_s" in varied and "nic_Bps" not in varied
     over = [s for s in o["sensitivity"] if s["name"] == "refit_overhead_s"][0]
     assert over["half_s"] < o["predicted_s"] < over["double_s"]
+
+
+def test_every_preset_delta_constant_has_a_provenance():
+    from ray_reshard.sim.cluster import DELTA_PROVENANCE, MEASURED_CPU
+
+    for name, cl in PRESETS.items():
+        consts = constants(cl, name, delta=True)
+        assert {c["name"] for c in consts} == {"delta_encode_Bps", "delta_decode_Bps"}
+        assert all(c["source"] and c["provenance"] and c["value"] > 0 for c in consts)
+        assert set(DELTA_PROVENANCE[name]) == {c["name"] for c in consts}
+    local = {c["name"]: c["provenance"] for c in constants(preset("local"), "local", delta=True)}
+    assert set(local.values()) == {MEASURED_CPU}
+    gpu = {c["name"]: c["provenance"] for c in constants(preset("dgx-h100"), "dgx-h100",
+                                                          delta=True)}
+    assert set(gpu.values()) == {ASSUMED}

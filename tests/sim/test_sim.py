@@ -1,5 +1,6 @@
 """The cluster simulator: closed-form cases, exact vs aggregate replay, bounds, the CLI."""
 import json
+import re
 import subprocess
 import sys
 
@@ -385,3 +386,127 @@ def test_fewer_ring_slots_never_help():
     cl = preset("gb200-nvl72").with_(gpus_per_domain=16)
     t = [simulate(p, cl.with_(ring_slots=k), 1 << 20, "exact").predicted_s for k in (1, 2, 0)]
     assert t[0] >= t[1] * (1 - 1e-9) and t[1] >= t[2] * (1 - 1e-9)
+
+
+# ---------------------------------------------------------------- delta refits
+def _bf16_forwarding_plan():
+    specs = {n: rr.TensorSpec(s.shape, torch.bfloat16, src=s.src, dst=s.dst)
+             for n, s in _tp4_to_tp2dp2(n=8, rows=2048, cols=512).items()}
+    return rr.plan(specs, ["n0"] * 4, ["n1"] * 4)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.001, 0.1, 0.5, 1.0])
+def test_delta_bytes_are_the_codecs_sizes_per_network_bucket(fraction):
+    """The simulator's delta payloads are the plan report's prediction (the codec's expected
+    size per network bucket), exact and aggregate alike; nothing but network buckets changes."""
+    from ray_reshard.execution.delta import expected_bytes
+    from ray_reshard.plan_report import delta_prediction
+    from ray_reshard.sim.delta import delta_messages
+    from ray_reshard.sim.engine import messages_aggregate
+
+    p = _bf16_forwarding_plan()
+    bucket = 1 << 20
+    msgs = messages_exact(p, bucket)
+    dm, fig = delta_messages(msgs, fraction, early_exit=False)
+    want = delta_prediction(p, bucket, fraction)
+    assert fig["network_bytes"] == want["network_bytes"]
+    assert fig["encodings"] == want["encodings"] and want["buckets_exact"]
+    assert fig["dense_network_bytes"] == want["dense_network_bytes"] == p.stats.network_bytes
+    net = msgs.path == 0
+    by_hand = sum(expected_bytes(int(b), 2, fraction) for b in msgs.nbytes[net])
+    assert fig["network_bytes"] == by_hand == int(dm.nbytes[net].sum())
+    assert np.array_equal(dm.nbytes[~net], msgs.nbytes[~net])
+    if fraction == 0:
+        assert fig["network_bytes"] == 0 and fig["encodings"]["same"] == net.sum()
+    if fraction == 1:
+        assert fig["network_bytes"] == p.stats.network_bytes
+        assert fig["encodings"]["dense"] == net.sum()
+    _, agg = delta_messages(messages_aggregate(p, bucket), fraction, early_exit=False)
+    assert agg["network_bytes"] == pytest.approx(fig["network_bytes"], rel=0.01, abs=1)
+    # a large plan's report cuts each pair into the schedule's count of equal buckets
+    cut = delta_prediction(p, bucket, fraction, exact_buckets_up_to=0)
+    assert not cut["buckets_exact"] and cut["buckets"] == want["buckets"]
+    assert cut["network_bytes"] == pytest.approx(want["network_bytes"], rel=0.01, abs=1)
+
+
+def test_delta_time_by_hand():
+    """One 4 MB bf16 bucket, one pair. Dense: pack, transfer, unpack. Delta at 10% changed:
+    the sender packs (the baseline from then on) and encodes, a mask payload (1/16 + 1/10 of
+    the bytes) travels, the receiver packs its regions, decodes and unpacks; at 0% nothing
+    travels and the receiver packs and checksums."""
+    from ray_reshard.execution.delta import expected_bytes
+    from ray_reshard.sim.delta import simulate_delta
+
+    lay = rr.Layout.replicated([0])
+    p = rr.plan({"w": rr.TensorSpec((2000, 1000), torch.bfloat16, src=lay, dst=lay)},
+                ["a"], ["b"])
+    n = 4e6
+    cl = BARE.with_(nic_Bps=1 * GB, contig_copy_Bps=4 * GB, delta_encode_Bps=2 * GB,
+                    delta_decode_Bps=1 * GB, latency_s=1e-4)
+    bucket = 1 << 30
+    msgs = messages_exact(p, bucket)
+    dense = simulate(p, cl, bucket).predicted_s
+    assert dense == pytest.approx(n / cl.nic_Bps + 2 * n / cl.contig_copy_Bps + 1e-4)
+    d = simulate_delta(p, msgs, cl, bucket, 0.1)
+    payload = expected_bytes(int(n), 2, 0.1)
+    assert d["network_bytes"] == payload == int(n / 16 + 0.1 * n)
+    sender = n / cl.contig_copy_Bps + n / cl.delta_encode_Bps
+    receiver = 2 * n / cl.contig_copy_Bps + n / cl.delta_decode_Bps
+    assert d["predicted_s"] == pytest.approx(sender + payload / cl.nic_Bps + receiver + 3e-4)
+    same = simulate_delta(p, msgs, cl, bucket, 0.0)
+    assert same["network_bytes"] == 0 and same["encodings"]["same"] == 1
+    assert same["predicted_s"] == pytest.approx(
+        sender + n / cl.contig_copy_Bps + n / cl.delta_decode_Bps + 3e-4)
+    # a faster codec brings the 10% delta under the dense refit on this NIC-bound pair
+    fast = simulate_delta(p, msgs, cl.with_(delta_encode_Bps=100 * GB, delta_decode_Bps=100 * GB,
+                                            contig_copy_Bps=100 * GB), bucket, 0.1)
+    assert fast["predicted_s"] < dense
+
+
+def test_cpu_encoder_stops_early_on_mostly_changed_buckets():
+    """The CPU encoder sends a mostly changed bucket dense after comparing its first eighth
+    or its first few chunks (whole chunks); GPU buckets are compared whole."""
+    from ray_reshard.execution.delta import CHUNK, MOSTLY_AFTER_CHUNKS
+    from ray_reshard.sim.delta import delta_messages
+
+    lay = rr.Layout.replicated([0])
+    p = rr.plan({"w": rr.TensorSpec((8192, 1024), torch.bfloat16, src=lay, dst=lay)},
+                ["a"], ["b"])
+    msgs = messages_exact(p, 1 << 30)
+    full = int(msgs.nbytes[0])
+    cpu, _ = delta_messages(msgs, 1.0, early_exit=True)
+    gpu, _ = delta_messages(msgs, 1.0, early_exit=False)
+    assert gpu.encode_bytes[0] == full
+    eighth = -(-full // 2 // 8 // CHUNK) * CHUNK
+    assert cpu.encode_bytes[0] == min(eighth, MOSTLY_AFTER_CHUNKS * CHUNK) * 2 < full
+    assert cpu.decode_bytes[0] == gpu.decode_bytes[0] == 0     # dense: unpacked as is
+
+
+def test_cli_changed_fraction(capsys):
+    base = ["--model", "llama70b", "--train", "megatron:tp=8,pp=4", "--infer", "vllm:tp=8,dp=4",
+            "--cluster", "dgx-h100"]
+    assert cli_main(base + ["--changed-fraction", "0.1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    d = out["delta"]
+    assert d["dense_predicted_s"] == out["predicted_s"]
+    assert d["dense_network_bytes"] == out["network_bytes"]
+    assert 0.1 < d["network_bytes"] / d["dense_network_bytes"] < 0.2
+    assert d["encodings"]["mask"] > 0
+    assert {c["name"]: c["provenance"] for c in d["constants"]} == {
+        "delta_encode_Bps": "assumed", "delta_decode_Bps": "assumed"}
+    assert [s["name"] for s in d["sensitivity"]] == ["delta_encode_Bps", "delta_decode_Bps"]
+    for s in d["sensitivity"]:
+        assert s["double_s"] <= d["predicted_s"] <= s["half_s"]
+    assert any("prediction" in a for a in d["assumptions"])
+    assert "delta_encode_Bps" not in {c["name"] for c in out["constants"]}
+    # on DGX H100 the 10% delta's NIC time falls more than its assumed codec costs add
+    assert d["predicted_s"] < d["dense_predicted_s"]
+
+    assert cli_main(base + ["--changed-fraction", "0.1", "--delta-encode-gbps", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "delta refit, PREDICTED for 0.1 of the elements changed" in text
+    assert re.search(r"delta_encode_Bps\s+1e\+09\s+given", text)
+
+    assert cli_main(base + ["--changed-fraction", "1.5"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--changed-fraction" in err
