@@ -42,7 +42,8 @@ LAUNCH_S = 20e-6
 # On a GPU an assumption (the codec's few torch ops over a bucket, each a pass over HBM), not
 # a measurement; the local preset's are the codec line of `python -m ray_reshard bench-delta
 # --mb 256 --steps 5 --lr 1e-6` (one CPU thread, a 16 MiB bf16 bucket with 10% of its elements
-# changed; run 2026-12-04 16:25 UTC, on the benchmark page docs/benchmarks.md).
+# changed), as one run on 2026-12-04 printed it (docs/benchmarks.md shows that line from the
+# page's latest run).
 ASSUMED_DELTA_ENCODE_BPS = 300e9
 ASSUMED_DELTA_DECODE_BPS = 300e9
 MEASURED_DELTA_ENCODE_BPS = 1.03e9
