@@ -83,25 +83,25 @@ def positive_int(text: str) -> int:
     return v
 
 
-def positive_float(text: str) -> float:
+def number_in(text: str, ok, what: str) -> float:
+    """`text` as a float for which `ok(value)` holds (NaN never does), else an argparse error
+    that says `what` was expected."""
     try:
         v = float(text)
     except ValueError:
-        v = 0.0
-    if not 0 < v < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+        v = math.nan
+    if math.isnan(v) or not ok(v):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
     return v
+
+
+def positive_float(text: str) -> float:
+    return number_in(text, lambda v: 0 < v < math.inf, "a positive number")
 
 
 def fraction_arg(text: str) -> float:
     """A number in [0, 1] (e.g. the share of weights changed since the previous refit)."""
-    try:
-        v = float(text)
-    except ValueError:
-        v = -1.0
-    if not 0.0 <= v <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text!r}")
-    return v
+    return number_in(text, lambda v: 0.0 <= v <= 1.0, "a fraction in [0, 1]")
 
 
 def model_arg(text: str) -> tuple[str, dict]:

@@ -36,10 +36,10 @@ read. The codec line times `execution.delta.encode` / `decode` on one thread of 
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import hashlib
 import json
-import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from ..cli_args import Parser, output_file, positive_int
+from ..cli_args import Parser, fraction_arg, number_in, output_file, positive_int
 from .harness import MiB, Spread, machine_facts, store_bytes_for
 
 GOAL_BYTES_AT_10 = 0.25      # delta network bytes at most this share of dense, 10% changed
@@ -455,28 +455,18 @@ def render_goals(rows: list) -> str:
 
 def fractions_arg(text: str) -> list:
     """Comma-separated fractions in [0, 1]."""
-    import argparse
-
     try:
-        out = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
+        out = [fraction_arg(x) for x in text.split(",") if x.strip()]
+    except argparse.ArgumentTypeError:
         out = []
-    if not out or any(not 0.0 <= f <= 1.0 or math.isnan(f) for f in out):
+    if not out:
         raise argparse.ArgumentTypeError(f"expected comma-separated fractions in [0, 1], "
                                          f"got {text!r}")
     return out
 
 
 def lr_arg(text: str) -> float:
-    import argparse
-
-    try:
-        v = float(text)
-    except ValueError:
-        v = 0.0
-    if not 0 < v < 1:
-        raise argparse.ArgumentTypeError(f"expected a learning rate in (0, 1), got {text!r}")
-    return v
+    return number_in(text, lambda v: 0 < v < 1, "a learning rate in (0, 1)")
 
 
 def add_args(ap) -> None:
