@@ -14,13 +14,14 @@ travel as whichever is smallest:
 
 A receiver rebuilds the bucket from its own copy of the baseline (its destination regions,
 packed) and the payload, and checks the result against the sender's `checksum` of the bucket
-(a SAME bucket too), so a destination changed outside refits is caught, not silently mixed. Everything here is a
-short sequence of torch ops over the bytes (the same on CPU and GPU); `encoded_bytes` is the
-size model the plan report and the simulator use.
+(a SAME bucket too), so a destination changed outside refits is caught, not silently mixed.
+Everything here is a short sequence of torch ops over the bytes (the same on CPU and GPU);
+`encoded_bytes` is the size model the plan report and the simulator use.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -29,7 +30,12 @@ KINDS = {SAME: "same", MASK: "mask", INDEX: "index", DENSE: "dense"}
 INDEX_BYTES = 4
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+@lru_cache(maxsize=None)
+def _bits(device: torch.device) -> torch.Tensor:
+    """Each bit of a byte as a uint8 on `device` (made once per device, not per bucket)."""
+    return torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
 
 
 def granule(nbytes: int, smallest_item_bytes: int) -> int:
@@ -197,7 +203,7 @@ def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
     n = mask.numel()
     pad = (-n) % 8
     m = torch.nn.functional.pad(mask.view(torch.uint8), (0, pad)).view(-1, 8)
-    return (m * _BITS.to(mask.device)).sum(1, dtype=torch.uint8)
+    return (m * _bits(mask.device)).sum(1, dtype=torch.uint8)
 
 
 def _unpack_bits(bits: torch.Tensor, n: int) -> torch.Tensor:
@@ -205,5 +211,5 @@ def _unpack_bits(bits: torch.Tensor, n: int) -> torch.Tensor:
         import numpy as np
         return torch.from_numpy(np.unpackbits(bits.numpy(), count=n, bitorder="little")
                                 .view(bool))
-    m = (bits.unsqueeze(1) & _BITS.to(bits.device)) != 0
+    m = (bits.unsqueeze(1) & _bits(bits.device)) != 0
     return m.view(-1)[:n]

@@ -253,3 +253,17 @@ class DeltaRun:
                 "fallbacks": list(self.fallbacks),
                 "baseline_bytes": self.baselines.nbytes, "clock": self.clock}
 
+
+def summarize(per: list) -> Optional[dict]:
+    """A delta refit's figures from every process's: network bytes sent (payloads) and what a
+    dense refit sends, granules compared and found changed, buckets per encoding, the
+    sender->receiver pairs sent dense and why, and the largest baseline memory of a process."""
+    parts = [st["delta"] for st in per if "delta" in st]
+    if not parts:
+        return None
+    out = {k: sum(d[k] for d in parts) for k in
+           ("network_bytes", "dense_network_bytes", "granules", "changed_granules")}
+    out["encodings"] = {k: sum(d["encodings"][k] for d in parts) for k in parts[0]["encodings"]}
+    out["fallbacks"] = [f for d in parts for f in d["fallbacks"]]
+    out["baseline_bytes"] = max(d["baseline_bytes"] for d in parts)
+    return out

@@ -19,7 +19,7 @@ from ..planning.planner import Endpoint
 from ..layout.spec import TensorSpec
 from ..errors import GroupStateLost, RefitError, TransportError
 from . import membership, metrics, worker
-from .delta import BASELINE_PLACES
+from .delta import BASELINE_PLACES, summarize as delta_summary
 from .membership import Members, actor_key
 from .transport import torch_pg
 from .transport.devices import choose_backend
@@ -49,7 +49,7 @@ class RefitResult:
     # Things that did not stop the refit but need attention (e.g. a source process that died
     # after its data moved: the group needs update() before the next refit).
     warnings: list = field(default_factory=list)
-    # A delta refit's figures (see `delta_summary`), None for a dense one.
+    # A delta refit's figures (see `delta.summarize`), None for a dense one.
     delta: Optional[dict] = None
 
     def summary(self) -> str:
@@ -897,21 +897,6 @@ class PendingRefit:
 # a second of scheduling slack, so a member blocked on a frozen peer is not named hung itself.
 SETTLE_S = 3.0
 LATE_SETTLE_S = torch_pg.LATE_STORE_CHECK_S + 1.0
-
-
-def delta_summary(per: list) -> Optional[dict]:
-    """A delta refit's figures from every process's: network bytes sent (payloads) and what a
-    dense refit sends, granules compared and found changed, buckets per encoding, the
-    sender->receiver pairs sent dense and why, and the largest baseline memory of a process."""
-    parts = [st["delta"] for st in per if "delta" in st]
-    if not parts:
-        return None
-    out = {k: sum(d[k] for d in parts) for k in
-           ("network_bytes", "dense_network_bytes", "granules", "changed_granules")}
-    out["encodings"] = {k: sum(d["encodings"][k] for d in parts) for k in parts[0]["encodings"]}
-    out["fallbacks"] = [f for d in parts for f in d["fallbacks"]]
-    out["baseline_bytes"] = max(d["baseline_bytes"] for d in parts)
-    return out
 
 
 def _describe(proc: int, e: Exception) -> str:

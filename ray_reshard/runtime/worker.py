@@ -168,12 +168,11 @@ def install(actor, group_id: str, key, plan: Plan, transfers: Optional[list],
                     name = plan_names[ti]
                     shards.append(_Shard(shard, name, spec, spec.slot(side, rank, name),
                                          box.sizes, spec.source_dtype if is_src else spec.dtype))
-        names = [sh.slot.storage for sh in shards]
-        names += [sh.spec.quant.scale_storage(sh.slot.storage) for sh in shards
-                  if sh.key[0] == "dst" and sh.spec.quant is not None]   # block FP8 scales
-        dst_names = [sh.slot.storage for sh in shards if sh.key[0] == "dst"]
-        dst_names += [sh.spec.quant.scale_storage(sh.slot.storage) for sh in shards
-                      if sh.key[0] == "dst" and sh.spec.quant is not None]
+        dst_shards = [sh for sh in shards if sh.key[0] == "dst"]
+        scales = [sh.spec.quant.scale_storage(sh.slot.storage) for sh in dst_shards
+                  if sh.spec.quant is not None]                      # block FP8 scales
+        names = [sh.slot.storage for sh in shards] + scales
+        dst_names = [sh.slot.storage for sh in dst_shards] + scales
         prog = _Program(plan, held, strategy, shards=shards,
                         storages=tuple(dict.fromkeys(names)),
                         dst_storages=tuple(dict.fromkeys(dst_names)))
