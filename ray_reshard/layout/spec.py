@@ -297,21 +297,21 @@ class TensorSpec:
                  src_slots=src_slots, dst_slots=dst_slots, quant=quant)
         if type(shape) is not tuple or not all([type(s) is int and s >= 0 for s in shape]):
             self._check_shape()
-        if type(dtype) is not torch.dtype and not isinstance(dtype, torch.dtype):
+        if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         if src_dtype is not None and not isinstance(src_dtype, torch.dtype):
             raise TypeError(f"src_dtype must be a torch.dtype, got {src_dtype!r}")
         source = dtype if src_dtype is None else src_dtype
-        if not (_COPYABLE.get((source, dtype)) or _copyable(source, dtype)):
+        if not _copyable(source, dtype):
             what = (f"from {source} to {dtype}" if source != dtype else f"of {dtype}")
             raise ValueError(f"torch cannot copy tensors {what} (no copy kernel), so no refit "
                              f"can move them; use a dtype torch converts (e.g. convert on the "
                              f"trainer first)")
-        if type(src) is not Layout and not isinstance(src, Layout):
+        if not isinstance(src, Layout):
             hint = (" (several destination groups take a LayoutUnion as dst; sources take one "
                     "Layout)" if isinstance(src, LayoutUnion) else "")
             raise TypeError(f"src must be a Layout, got {type(src).__name__}{hint}")
-        if type(dst) is not Layout and not isinstance(dst, (Layout, LayoutUnion)):
+        if not isinstance(dst, (Layout, LayoutUnion)):
             raise TypeError(f"dst must be a Layout or LayoutUnion, got {type(dst).__name__}")
         if src_slots is not None and type(src_slots) is not Slots:
             d["src_slots"] = _freeze_slots(src_slots)
