@@ -4,12 +4,13 @@
 bytes per (sender, receiver, path) pair. Buckets come from the real schedule when the plan has
 at most `exact_buckets_up_to` moves; above that (building the schedule of tens of millions of
 moves takes minutes) each pair's bytes are divided by `bucket_bytes`, rounded up: the count if
-every bucket were full, a lower bound. Busiest ranks come from the plan's per-rank figures. Staging: a rank stages at most `window` buckets at once
-(double buffering), and only pieces that are strided in its storage or change dtype.
+every bucket were full, a lower bound. Busiest ranks come from the plan's per-rank figures.
+Staging: a rank stages at most `window` buckets at once (double buffering), and only pieces
+that are strided in its storage or change dtype.
 
 `delta_prediction(plan, bucket_bytes, fraction)` predicts a delta refit's network bytes when a
 `fraction` of the elements changed since the previous one: per network bucket, the size of its
-smallest encoding (`execution.delta.expected_bytes`) with the changes spread evenly over
+smallest encoding (`execution.delta.expected_encoding`) with the changes spread evenly over
 buckets.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ import math
 from collections import defaultdict
 from typing import Any, Optional
 
-from .execution.delta import KINDS, encoded_bytes, expected_bytes, granule
+from .execution.delta import KINDS, expected_encoding, granule
 from .planning.plan import (DEFAULT_BUCKET_BYTES, Plan, default_window, network_bucket_counts,
                             network_entries)
 from .planning.planner import NETWORK, PATHS
@@ -196,10 +197,8 @@ def delta_prediction(plan: Plan, bucket_bytes: int, fraction: float,
     kinds = {name: 0 for name in KINDS.values()}
     sent = dense = 0
     for nbytes, itemsize in rows:
-        g = granule(nbytes, itemsize)
-        size = expected_bytes(nbytes, g, fraction)
-        changed = int(round(fraction * (nbytes // g)))
-        kinds[KINDS[encoded_bytes(nbytes, g, changed)[0]]] += 1
+        kind, size = expected_encoding(nbytes, granule(nbytes, itemsize), fraction)
+        kinds[KINDS[kind]] += 1
         sent += size
         dense += nbytes
     return {"changed_fraction": fraction, "network_bytes": sent, "dense_network_bytes": dense,

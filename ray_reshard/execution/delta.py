@@ -65,11 +65,15 @@ def _up(x: int, g: int) -> int:
     return -(-x // g) * g
 
 
+def expected_encoding(nbytes: int, g: int, fraction: float) -> tuple:
+    """(kind, payload bytes) of a bucket whose granules changed with probability `fraction`
+    (a prediction: changes spread evenly over buckets)."""
+    return encoded_bytes(nbytes, g, int(round(fraction * (nbytes // g))))
+
+
 def expected_bytes(nbytes: int, g: int, fraction: float) -> int:
-    """Payload bytes of a bucket whose granules changed with probability `fraction` (a
-    prediction: changes spread evenly over buckets)."""
-    changed = int(round(fraction * (nbytes // g)))
-    return encoded_bytes(nbytes, g, changed)[1]
+    """`expected_encoding`'s payload bytes."""
+    return expected_encoding(nbytes, g, fraction)[1]
 
 
 def checksum(buf: torch.Tensor) -> int:

@@ -126,9 +126,9 @@ class DeltaRun:
             ok = base_version is not None and held[s.peer] == base_version
             if not ok and s.peer not in named:
                 named.add(s.peer)
+                theirs = "an unknown version" if held[s.peer] < 0 else f"v{held[s.peer]}"
                 why = ("no baseline yet" if base_version is None else
-                       f"it holds {'an unknown version' if held[s.peer] < 0 else 'v%d' % held[s.peer]}, "
-                       f"the baseline is v{base_version}")
+                       f"it holds {theirs}, the baseline is v{base_version}")
                 self.fallbacks.append(f"process {self.pid} -> {s.peer}: dense ({why})")
             out[s.peer].extend(self._encode(s, ok and s.delta_ok))
         t2 = now()

@@ -4,8 +4,8 @@ and codec work as a delta refit of a given changed fraction has them.
 Per network bucket of `nbytes` (granule: the smallest element size of its items), with
 `fraction` of its granules changed since the previous delta refit:
 
-* the wire carries `execution.delta.expected_bytes(nbytes, granule, fraction)` (the smallest of
-  same, mask, index and dense), posted as one message (nothing travels in place);
+* the wire carries `execution.delta.expected_encoding(nbytes, granule, fraction)`'s payload
+  (the smallest of same, mask, index and dense), posted as one message (nothing travels in place);
 * the sender packs the whole bucket, compares it with its baseline and encodes it
   (`delta_encode_Bps`; on a CPU cluster, where more than `MOSTLY_CHANGED` of the elements
   changed, only the first eighth or first `MOSTLY_AFTER_CHUNKS` chunks, whole chunks: the
@@ -27,7 +27,7 @@ from dataclasses import replace
 import numpy as np
 
 from ..execution.delta import (CHUNK, DENSE, KINDS, MOSTLY_AFTER_CHUNKS, MOSTLY_CHANGED, SAME,
-                               encoded_bytes, granule)
+                               expected_encoding, granule)
 from ..planning.plan import Plan
 from ..planning.planner import NETWORK
 from .cluster import Cluster
@@ -68,7 +68,7 @@ def delta_messages(msgs: Messages, fraction: float, early_exit: bool) -> tuple[M
         full = int(msgs.nbytes[i])
         g = granule(full, int(msgs.itemsize[i]))
         n = full // g
-        kind, size = encoded_bytes(full, g, int(round(fraction * n)))
+        kind, size = expected_encoding(full, g, fraction)
         kinds[KINDS[kind]] += 1
         dense_total += full
         nbytes[i] = size
@@ -103,10 +103,3 @@ def simulate_delta(plan: Plan, msgs: Messages, cluster: Cluster, bucket_bytes: i
     res = replay(plan, dmsgs, cl, bucket_bytes, None, window, ring_recv)
     return {"changed_fraction": fraction, "predicted_s": res.predicted_s,
             "bound_s": res.bound_s, "cpu_s": res.cpu_s, **figures}
-
-
-def delta_seconds(plan: Plan, msgs: Messages, cluster: Cluster, bucket_bytes: int,
-                  fraction: float, window=None, ring_recv: str = "runs") -> float:
-    """`simulate_delta`'s predicted seconds alone."""
-    return simulate_delta(plan, msgs, cluster, bucket_bytes, fraction, window,
-                          ring_recv)["predicted_s"]
