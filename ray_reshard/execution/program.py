@@ -489,7 +489,7 @@ def _part(plan: Plan, t: Transfer, side: str, rank: int, held_index: dict, held:
             quant.append(qi)
         elif quant is not None:
             quant.append(UNALIGNED if off % size else None)
-        geo = geometry.get((id(box), origin)) if ctx is None else None
+        geo = geometry.get((id(box), id(origin))) if ctx is None else None
         if geo is None:
             sizes = box.sizes
             n = 1
@@ -498,7 +498,7 @@ def _part(plan: Plan, t: Transfer, side: str, rank: int, held_index: dict, held:
             geo = (tuple([slice(a - o, a - o + m) for a, o, m in zip(box.offsets, origin, sizes)]),
                    sizes, n)
             if ctx is None:
-                geometry[(id(box), origin)] = geo
+                geometry[(id(box), id(origin))] = geo
         hs.append(h)
         sl.append(geo[0])
         shapes.append(geo[1])

@@ -186,11 +186,13 @@ _new = object.__new__
 
 
 def _slot_from_columns(columns, i: int) -> Slot:
-    _, storages, indices, _, st, ix, dm, off, _ = columns
     slot = _new(Slot)
-    d = dm[i]
-    slot.__dict__.update(storage=storages[st[i]], index=indices[ix[i]],
-                         dim=None if d < 0 else d, offset=off[i])
+    d = slot.__dict__
+    d["storage"] = columns[1][columns[4][i]]
+    d["index"] = columns[2][columns[5][i]]
+    dim = columns[6][i]
+    d["dim"] = None if dim < 0 else dim
+    d["offset"] = columns[7][i]
     return slot
 
 

@@ -275,13 +275,18 @@ def _unpack_specs(columns) -> tuple[TensorSpec, ...]:
     they were checked when planned)."""
     table, kind_of, src_slots, dst_slots = columns
     src_slots, dst_slots = unpack_slot_tables(src_slots), unpack_slot_tables(dst_slots)
+    # per kind, its fields (in declaration order): each spec copies them, then sets its tables
+    kinds = [dict(shape=shape, dtype=dtype, src=src, dst=dst, src_dtype=sdt, src_slots=None,
+                  dst_slots=None, quant=quant)
+             for shape, dtype, src, dst, sdt, quant in table]
     out = []
     append = out.append
     for k, ss, ds in zip(kind_of, src_slots, dst_slots):
-        shape, dtype, src, dst, sdt, quant = table[k]
         sp = _new(TensorSpec)
-        sp.__dict__.update(shape=shape, dtype=dtype, src=src, dst=dst, src_dtype=sdt,
-                           src_slots=ss, dst_slots=ds, quant=quant)
+        d = sp.__dict__
+        d.update(kinds[k])
+        d["src_slots"] = ss
+        d["dst_slots"] = ds
         append(sp)
     return tuple(out)
 
@@ -366,7 +371,8 @@ def build_schedule(plan: Plan, bucket_bytes: int) -> Schedule:
             keys = bucket_keys(len(packed), src.rank, gid(src), dst, path, turns, n_src,
                                 topo.n_dst)
             for key, bucket in zip(keys, packed):
-                transfers.append(_transfer(isz, key, src, dst, path, bucket))
+                transfers.append(_transfer(isz, key, src, dst, path, [e[0] for e in bucket],
+                                           sum(e[1] for e in bucket)))
                 if path != NETWORK:
                     continue
                 seg = forward_segment(key[2], n_src, topo.n_dst)
@@ -376,7 +382,8 @@ def build_schedule(plan: Plan, bucket_bytes: int) -> Schedule:
                         fwd_into[(dst, target, fpath, key[0], seg)][key].append(entry)
         for fkey, f, target, fpath, fentries in _forwards(fwd_into, bucket_bytes, 1, n_src,
                                                           topo.n_dst):
-            transfers.append(_transfer(isz, fkey, Endpoint("dst", f), target, fpath, fentries))
+            transfers.append(_transfer(isz, fkey, Endpoint("dst", f), target, fpath,
+                                       [e[0] for e in fentries], sum(e[1] for e in fentries)))
         return Schedule(transfers, bucket_bytes)
 
 
@@ -449,8 +456,8 @@ def _share(plan: Plan, mine: frozenset, bucket_bytes: int) -> list[Transfer]:
         return i
 
     def emit(key, src, dst, path, entries):
-        transfers.append(_transfer(isz, key, src, dst, path,
-                                   [(_item(ti, box), nb) for nb, ti, box, _ in entries]))
+        transfers.append(_transfer(isz, key, src, dst, path, _items(entries),
+                                   sum([e[0] for e in entries])))
 
     digests: dict = {}
     forwarders: set = set()          # destination ranks, not ours, forwarding to ours
@@ -833,23 +840,28 @@ def _forward_buckets(parts: dict, bucket_bytes: int, size_at: int) -> list[tuple
     return out
 
 
-def _item(tensor: int, box: Box) -> Item:
-    """Item(tensor, box) without the frozen-dataclass __init__ (one per piece of a share)."""
-    it = _new(Item)
-    d = it.__dict__
-    d["tensor"] = tensor
-    d["box"] = box
-    return it
+def _items(entries) -> list[Item]:
+    """Item(tensor, box) of each (nbytes, tensor, box, ...) entry, without the frozen-dataclass
+    __init__ (one per piece of a share)."""
+    out = []
+    append = out.append
+    new = _new
+    for _, tensor, box, _ in entries:
+        it = new(Item)
+        d = it.__dict__
+        d["tensor"] = tensor
+        d["box"] = box
+        append(it)
+    return out
 
 
-def _transfer(isz, key, src, dst, path, entries) -> Transfer:
+def _transfer(isz, key, src, dst, path, items: list, nbytes: int) -> Transfer:
     # Items sit back to back in the flat buffer. Largest element size first keeps every item's
     # byte offset a multiple of its element size (sizes are powers of two), as viewing a byte
     # buffer as a wider dtype requires: an fp32 item after a bf16 one could start at byte 2.
-    items = [e[0] for e in entries]
     if len({isz[it.tensor] for it in items}) > 1:
         items.sort(key=lambda it: -isz[it.tensor])
-    return Transfer(key, src, dst, path, tuple(items), sum(e[1] for e in entries))
+    return Transfer(key, src, dst, path, tuple(items), nbytes)
 
 
 def plan(specs: Mapping[str, TensorSpec], src_domains: Optional[Sequence[Any]] = None,

@@ -34,16 +34,20 @@ def _group(group_id: str) -> "_WorkerGroup":
     return wg
 
 
-@dataclass
 class _Shard:
-    """One shard this process holds in a program: where it lives and what it must look like."""
+    """One shard this process holds in a program: where it lives and what it must look like
+    (one per held tensor: tens of thousands at scale, hence slots and a plain constructor)."""
 
-    key: tuple                            # (side, rank, tensor)
-    name: str
-    spec: Any
-    slot: Any
-    sizes: tuple
-    dtype: torch.dtype
+    __slots__ = ("key", "name", "spec", "slot", "sizes", "dtype")
+
+    def __init__(self, key: tuple, name: str, spec: Any, slot: Any, sizes: tuple,
+                 dtype: torch.dtype):
+        self.key = key                    # (side, rank, tensor)
+        self.name = name
+        self.spec = spec
+        self.slot = slot
+        self.sizes = sizes
+        self.dtype = dtype
 
 
 @dataclass
@@ -152,9 +156,11 @@ def install(actor, group_id: str, key, plan: Plan, transfers: Optional[list],
         plan.localize(wg.endpoints)
         specs, plan_names = plan.specs, plan.names
         held, shards = [], []
+        src_names, dst_names, scales = [], [], []  # local tensor names; block FP8 scales
         for ep in sorted(wg.endpoints, key=lambda e: (e.side, e.rank)):
             side, rank = ep.side, ep.rank
             is_src = side == "src"
+            on_side = src_names if is_src else dst_names
             layout_boxes: dict = {}
             for ti, spec in enumerate(specs):
                 lay = spec.src if is_src else spec.dst
@@ -166,13 +172,17 @@ def install(actor, group_id: str, key, plan: Plan, transfers: Optional[list],
                     shard = (side, rank, ti)
                     held.append(shard)
                     name = plan_names[ti]
-                    shards.append(_Shard(shard, name, spec, spec.slot(side, rank, name),
-                                         box.sizes, spec.source_dtype if is_src else spec.dtype))
-        dst_shards = [sh for sh in shards if sh.key[0] == "dst"]
-        scales = [sh.spec.quant.scale_storage(sh.slot.storage) for sh in dst_shards
-                  if sh.spec.quant is not None]                      # block FP8 scales
-        names = [sh.slot.storage for sh in shards] + scales
-        dst_names = [sh.slot.storage for sh in dst_shards] + scales
+                    slot = spec.slot(side, rank, name)
+                    on_side.append(slot.storage)
+                    if is_src:
+                        dtype = spec.source_dtype
+                    else:
+                        dtype = spec.dtype
+                        if spec.quant is not None:
+                            scales.append(spec.quant.scale_storage(slot.storage))
+                    shards.append(_Shard(shard, name, spec, slot, box.sizes, dtype))
+        names = dst_names + src_names + scales
+        dst_names += scales
         prog = _Program(plan, held, strategy, shards=shards,
                         storages=tuple(dict.fromkeys(names)),
                         dst_storages=tuple(dict.fromkeys(dst_names)))
