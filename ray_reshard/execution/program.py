@@ -479,7 +479,7 @@ def _part(plan: Plan, t: Transfer, side: str, rank: int, held_index: dict, held:
             if origin is None:
                 origin = origins[(id(lay), spec.shape)] = lay.box(rank, spec.shape).offsets
             got = shard_info[ti] = (h, origin, spec.dtype if ctx is None else ctx.wire_dtype,
-                                    spec.itemsize, ctx)
+                                    plan.tensor_plans[ti].itemsize, ctx)   # = spec.itemsize
         h, origin, dtype, size, ctx = got
         box = it.box
         if ctx is not None:

@@ -407,7 +407,8 @@ def build_share(plan: Plan, endpoints: Iterable[Endpoint], bucket_bytes: int) ->
 def _share(plan: Plan, mine: frozenset, bucket_bytes: int) -> list[Transfer]:
     my_dst = {e.rank for e in mine if e.side == "dst"}
     n_src = plan.topology.n_src
-    isz = [spec.itemsize for spec in plan.specs]
+    # a tensor plan's element size is its spec's (both from the spec's signature)
+    isz = [tp.itemsize for tp in plan.tensor_plans]
     # per tensor: {forwarder dst rank: [(box, (target, path)), ...]} (shared per tensor plan)
     forwards: list = [None] * len(plan.tensor_plans)
     transfers: list[Transfer] = []
@@ -462,10 +463,9 @@ def _share(plan: Plan, mine: frozenset, bucket_bytes: int) -> list[Transfer]:
     digests: dict = {}
     forwarders: set = set()          # destination ranks, not ours, forwarding to ours
     for ti, tp in enumerate(plan.tensor_plans):
-        ck = (id(tp), isz[ti])
-        d = digests.get(ck)
+        d = digests.get(id(tp))
         if d is None:
-            d = digests[ck] = digest(tp, isz[ti])
+            d = digests[id(tp)] = digest(tp, isz[ti])
             if d[1]:
                 forwarders.update(f for f in d[1] if f not in my_dst)
         for into, pieces in d[0]:
@@ -480,7 +480,7 @@ def _share(plan: Plan, mine: frozenset, bucket_bytes: int) -> list[Transfer]:
         # tensors have pieces forwarded here from that pair's forwarder).
         rows: dict = {}
         for ti, tp in enumerate(plan.tensor_plans):
-            ck = (id(tp), isz[ti])
+            ck = id(tp)
             if ck not in rows:
                 fw = digests[ck][1]
                 rows[ck] = [(i, sizes, pieces, bool(fw) and pair_keys[i][1] in fw)
@@ -493,7 +493,7 @@ def _share(plan: Plan, mine: frozenset, bucket_bytes: int) -> list[Transfer]:
                       for i, sizes, pieces, marked in r if i in needed]
                  for ck, r in rows.items()}
         for ti, tp in enumerate(plan.tensor_plans):
-            for lst, sizes, marks, pieces in cache[(id(tp), isz[ti])]:
+            for lst, sizes, marks, pieces in cache[id(tp)]:
                 # Only the sizes decide the buckets; only pieces forwarded here are kept.
                 if marks is not None:
                     pos = len(lst)
