@@ -108,6 +108,7 @@ class CudaCopy:
     """Launches `copy_table` for a table uploaded to the device."""
 
     name = "cuda"
+    strided = True
 
     def __init__(self):
         import cupy

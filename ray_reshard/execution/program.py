@@ -38,6 +38,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from ..layout import quant as _quant
+from . import host_copy
 from . import regions as _regions
 from ..planning.plan import Plan, Transfer, build_share, gc_paused, parent_key, run_order
 from ..planning.planner import NETWORK, Endpoint
@@ -87,7 +88,7 @@ class Part:
         self._runs = None             # merged copy runs (see bind)
         self._loose = None            # the runs not on the copy table (copied with foreach)
         self._table = None            # copy table of the other runs (see regions), or None
-        self._engine = None           # what runs the table (regions.HostCopy, cuda_copy)
+        self._engine = None           # what runs the table (host_copy, cuda_copy)
         self._pair = None             # local copies into this part: (table, engine, the rest)
         self._table_dev = -1          # the device the regions (and the table) are on
         self._wires: dict = {}        # staging buffer data pointer -> wire views of loose runs
@@ -139,7 +140,8 @@ class Part:
         self._runs = runs
         self._loose, self._table, self._engine, self._pair = runs, None, None, None
         if engine is not None:
-            same = [k for k, run in enumerate(runs) if run[3].dtype == run[2]]
+            same = [k for k, run in enumerate(runs)
+                    if run[3].dtype == run[2] and (run[4] or engine.strided)]
             if len(same) > 1:
                 table = _regions.build([runs[k][3] for k in same],
                                        [self.offsets[runs[k][0]] for k in same])
@@ -264,7 +266,9 @@ class Part:
         if engine is None:
             return None
         items = self._plain()
-        plain = [i for i in items if self._regions[i].dtype == other._regions[i].dtype]
+        mine, theirs = self._regions, other._regions
+        plain = [i for i in items if mine[i].dtype == theirs[i].dtype and (
+            engine.strided or (mine[i].is_contiguous() and theirs[i].is_contiguous()))]
         if len(plain) < 2:
             return None
         table = _regions.build_pairs([self._regions[i] for i in plain],
@@ -376,9 +380,9 @@ class Program:
         `token`: the caller's name for exactly these view objects (None: unnamed); binding
         the views bound last under the same token checks nothing (finishers still start a new
         refit). `engine` copies each part's regions as one copy table (see `regions`):
-        "auto" is one launch per table on CUDA (`cuda_copy`, where cupy is installed) and
-        foreach copies elsewhere; None is always foreach. Returns how many parts were
-        (re)built."""
+        "auto" is one launch per table on CUDA (`cuda_copy`, where cupy is installed), one
+        pass of memmoves over the contiguous regions in host memory (`host_copy`), foreach
+        copies for the rest; None is always foreach. Returns how many parts were (re)built."""
         views = None
         if self.finishers:
             views = [lookup.get(k) for k in self.held]
@@ -432,9 +436,14 @@ class Program:
 
 
 def _auto_engine(views: Sequence[torch.Tensor]):
-    """The CUDA copy engine when the views are on a GPU and it can run, else None."""
+    """The CUDA copy engine when the views are on a GPU (None where it cannot run), the host
+    one when they are in host memory."""
     first = next((v for v in views if v is not None), None)
-    if first is None or not first.is_cuda:
+    if first is None:
+        return None
+    if first.device.type == "cpu":
+        return host_copy.engine()
+    if not first.is_cuda:
         return None
     from . import cuda_copy
     return cuda_copy.engine()

@@ -191,6 +191,7 @@ class HostCopy:
     """Runs a table on host memory, row piece by row piece (the reference for the kernel)."""
 
     name = "host"
+    strided = True       # regions of any strides (see `MAX_OUTER`)
 
     def upload(self, tables: list, device: torch.device) -> None:
         for t in tables:
