@@ -1,8 +1,7 @@
 """Copy tables on host memory: a table's regions copied with one `memmove` each, in one pass.
 
-On CPU a foreach copy runs a `copy_` per region, about a microsecond of dispatch besides its
-bytes, and torch's copy loop moves large blocks slower than the C library's `memmove`: a part
-with thousands of small items spends as long dispatching as copying. This engine takes only
+On CPU a foreach copy runs a `copy_` per region, with its own dispatch besides the bytes, so
+a part with thousands of small items pays that cost thousands of times. This engine takes only
 regions that are one contiguous row on both sides (`strided` False: parts put only those on
 its tables; strided regions stay with foreach, whose inner loop copies strided rows faster
 than a call per row would). Its calls, (destination, source, bytes) per region, are made once

@@ -841,8 +841,8 @@ def _forward_buckets(parts: dict, bucket_bytes: int, size_at: int) -> list[tuple
 
 
 def _items(entries) -> list[Item]:
-    """Item(tensor, box) of each (nbytes, tensor, box, ...) entry, without the frozen-dataclass
-    __init__ (one per piece of a share)."""
+    """Item(tensor, box) of each (nbytes, tensor, box, parent box) entry of a share, without
+    the frozen-dataclass __init__ (one per piece)."""
     out = []
     append = out.append
     new = _new
