@@ -1,5 +1,6 @@
 """What every comparing benchmark shares: a local cluster whose object store fits the payload,
-a check that nothing spilled, and medians with their spread.
+a check that nothing spilled, a quiet machine before each timed run, and medians with their
+spread.
 
 A baseline runs at its best or the comparison says nothing: Ray's test clusters give each node
 150 MiB of object store unless told otherwise, and a 256 MiB payload then spills to disk. The
@@ -106,6 +107,20 @@ class SpillCheck:
                 f"{restored / MiB:.1f} MiB during the timed runs, so the object-store figures "
                 f"would measure the disk; rerun with a larger --store-mb")
         return {"spilled_bytes": spilled, "restored_bytes": restored}
+
+
+def settle(quiet: float = 0.25, window_s: float = 0.05, limit_s: float = 3.0) -> float:
+    """Wait until the machine is quiet: the share of all CPUs busy over `window_s` below
+    `quiet`, or `limit_s` passed. Work one timed run leaves behind (the object store freeing
+    a refit's objects, a collective's threads winding down) then ends before the next run
+    starts instead of landing on whichever method runs next. Returns the seconds waited."""
+    import psutil
+
+    t0 = time.perf_counter()
+    while psutil.cpu_percent(interval=window_s) >= 100 * quiet:
+        if time.perf_counter() - t0 >= limit_s:
+            break
+    return time.perf_counter() - t0
 
 
 def machine_facts() -> dict:

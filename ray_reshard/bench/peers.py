@@ -21,10 +21,12 @@ those same 8 actors, after one warm-up run each (whose result is checked against
   what the network of these actors allows; in bucket-sized messages two at a time (as the
   executor's window) and in one message per pair, the faster of the two being the ceiling.
 
-Every peer is timed from the driver's call to every destination holding the weights, the peers
-take turns within each repeat (so drift on a shared machine hits all alike), and each figure is
-the median of `--repeats` with its range. Nothing is asserted; the goals are printed beside
-the figures.
+Every peer is timed from the driver's call to every destination holding the weights. The peers
+take turns within each repeat (so drift on a shared machine hits all alike), in an order rotated
+each repeat, and each timed run starts once the machine is quiet (`harness.settle`: work the
+previous run left behind, such as the object store freeing its objects, would otherwise be
+charged to whichever peer runs next). Each figure is the median of `--repeats` with its range.
+Nothing is asserted; the goals are printed beside the figures.
 """
 from __future__ import annotations
 
@@ -35,12 +37,13 @@ import torch
 
 from ..cli_args import Parser, output_file
 from ..testing import local_cluster
-from .harness import MiB, SpillCheck, Spread, check_store, machine_facts, \
+from .harness import MiB, SpillCheck, Spread, check_store, machine_facts, settle, \
     store_bytes_for
 
 COLS = 1024
 GOAL_OBJECT_STORE = 2.0       # reshard at least this many times faster than the object store
 GOAL_RAW_SHARE = 0.85         # reshard at least this share of raw point-to-point
+SETTLE_LIMIT_S = 3.0          # the longest wait for a quiet machine before a timed run
 RAW = ("raw point-to-point, bucket-sized messages", "raw point-to-point, one message per pair")
 RDT = "Ray Direct Transport (gloo)"
 PEERS = ("reshard", "object store", RDT, "gather-broadcast") + RAW
@@ -221,10 +224,15 @@ def measure(mb: int, counts: list, repeats: int, bucket_mb: int = 16,
                     elif not np.allclose(want, got, rtol=1e-9, atol=1e-6):
                         raise RuntimeError(f"{count} tensors: {name} left {got} on the "
                                            f"destinations, reshard {want}")
+                # Each repeat rotates the order, so no peer always runs right after the same
+                # one; each timed run starts once the machine is quiet again.
                 times = {name: [] for name in peers}
-                for _ in range(repeats):
-                    for name, fn in peers.items():
-                        times[name].append(fn())
+                order = list(peers)
+                waits = []
+                for k in range(repeats):
+                    for name in order[k % len(order):] + order[:k % len(order)]:
+                        waits.append(settle(limit_s=SETTLE_LIMIT_S))
+                        times[name].append(peers[name]())
             finally:
                 for group in (g, gb, whole):
                     if group is not None:
@@ -232,6 +240,8 @@ def measure(mb: int, counts: list, repeats: int, bucket_mb: int = 16,
             row = {"tensors": count, "shape": [rows, cols], "network_bytes": network,
                    "raw_bytes": per_pair * 4, "peers": {n: Spread(v).as_dict()
                                                         for n, v in times.items()}}
+            row["settle"] = {"runs": len(waits), "waited_s": round(sum(waits), 2),
+                             "not_quiet": sum(w >= SETTLE_LIMIT_S for w in waits)}
             row["spill"] = spill.check(f"{count} tensors")
             out["counts"][str(count)] = row
             log(render_row(row), flush=True)
@@ -239,9 +249,46 @@ def measure(mb: int, counts: list, repeats: int, bucket_mb: int = 16,
     return out
 
 
+def combine_runs(outs: list) -> dict:
+    """Several runs' figures (each `measure` on a fresh cluster) as one: each peer's median of
+    the runs' medians with the range of those medians (where a fresh run's median lands), each
+    ratio's median over the runs with its range, and each goal judged on that median."""
+    if len(outs) == 1:
+        return dict(outs[0], runs=1)
+    first = outs[0]
+    out = {k: first[k] for k in ("mb", "repeats", "bucket_mb", "layout", "machine",
+                                 "store_bytes_per_node")}
+    out["rdt"] = "; ".join(dict.fromkeys(o["rdt"] for o in outs))
+    out["runs"] = len(outs)
+    out["machines"] = [o["machine"] for o in outs]
+    out["counts"] = {}
+    for count in first["counts"]:
+        rows = [o["counts"][count] for o in outs]
+        row = {k: rows[0][k] for k in ("tensors", "shape", "network_bytes", "raw_bytes")}
+        names = [n for n in rows[0]["peers"] if all(n in r["peers"] for r in rows)]
+        row["peers"] = {n: Spread([r["peers"][n]["median"] for r in rows]).as_dict()
+                        for n in names}
+        row["ratios_by_run"] = [ratios(r) for r in rows]
+        row["settle"] = {k: sum(r["settle"][k] for r in rows) for k in rows[0]["settle"]}
+        row["spill"] = {k: sum(r["spill"][k] for r in rows) for k in rows[0]["spill"]}
+        row["by_run"] = rows
+        out["counts"][count] = row
+    out["goals"] = goals(out)
+    return out
+
+
+def ratio_spreads(row: dict) -> dict:
+    """Each ratio of `ratios` over the runs of a combined row (one value for a single run)."""
+    by_run = row.get("ratios_by_run") or [ratios(row)]
+    return {k: Spread([r[k] for r in by_run]) for k in by_run[0] if all(k in r for r in by_run)}
+
+
 def ratios(row: dict) -> dict:
     """Median ratios of one tensor count: each peer's time over reshard's, and reshard's share
-    of raw point-to-point (raw seconds per network byte over reshard's)."""
+    of raw point-to-point (raw seconds per network byte over reshard's). For several runs
+    combined, each ratio's median over the runs."""
+    if row.get("ratios_by_run"):
+        return {k: s.median for k, s in ratio_spreads(row).items()}
     med = {n: p["median"] for n, p in row["peers"].items()}
     r = med["reshard"]
     out = {n: t / r for n, t in med.items() if n != "reshard" and n not in RAW}
@@ -255,29 +302,48 @@ def render_row(row: dict) -> str:
              f"(network bytes of reshard's plan: {row['network_bytes'] / MiB:.0f} MiB; nothing "
              f"spilled)",
              f"  {'peer':<42} {'seconds: median [range]':>28} {'vs reshard':>10}"]
-    rat = ratios(row)
+    rat = ratio_spreads(row)
     for name in PEERS:
         if name not in row["peers"]:
             continue
         s = Spread(row["peers"][name]["values"])
-        vs = "" if name == "reshard" else (f"{rat[name]:.2f}x" if name in rat else "")
+        vs = "" if name == "reshard" or name not in rat else ratio_text(rat[name], "x")
         lines.append(f"  {name:<42} {s.text():>28} {vs:>10}")
-    lines.append(f"  reshard's share of raw point-to-point (the faster one): {rat['raw share']:.2f}")
+    lines.append(f"  reshard's share of raw point-to-point (the faster one): "
+                 f"{ratio_text(rat['raw share'])}")
     return "\n".join(lines)
 
 
+def ratio_text(s: Spread, unit: str = "") -> str:
+    """A ratio's median, and its range over the runs when there were several."""
+    text = f"{s.median:.2f}{unit}"
+    return text if len(s.values) == 1 else f"{text} [{s.low:.2f}-{s.high:.2f}]"
+
+
 def goals(out: dict) -> list:
-    """Each goal with the measured median ratio and whether it is met."""
+    """Each goal with the measured median ratio and whether it is met (with several runs: on
+    the median over the runs, and in how many of them)."""
     rows = []
     for count, row in out["counts"].items():
-        rat = ratios(row)
-        rows.append({"goal": f"reshard >= {GOAL_OBJECT_STORE:g}x the object store, {count} "
-                             f"tensors", "measured": rat["object store"],
-                     "met": rat["object store"] >= GOAL_OBJECT_STORE})
-        rows.append({"goal": f"reshard >= {GOAL_RAW_SHARE:g} of raw point-to-point, {count} "
-                             f"tensors", "measured": rat["raw share"],
-                     "met": rat["raw share"] >= GOAL_RAW_SHARE})
+        spreads = ratio_spreads(row)
+        for key, goal, text in (
+                ("object store", GOAL_OBJECT_STORE,
+                 f"reshard >= {GOAL_OBJECT_STORE:g}x the object store, {count} tensors"),
+                ("raw share", GOAL_RAW_SHARE,
+                 f"reshard >= {GOAL_RAW_SHARE:g} of raw point-to-point, {count} tensors")):
+            sp = spreads[key]
+            rows.append({"goal": text, "measured": sp.median, "met": sp.median >= goal,
+                         "low": sp.low, "high": sp.high, "runs": len(sp.values),
+                         "runs_met": sum(v >= goal for v in sp.values)})
     return rows
+
+
+def goal_text(g: dict) -> str:
+    """'met' or 'NOT met', and with several runs in how many of them."""
+    text = "met" if g["met"] else "NOT met"
+    if g.get("runs", 1) > 1:
+        text += f" ({g['runs_met']} of {g['runs']} runs)"
+    return text
 
 
 def main(argv=None) -> int:
@@ -287,6 +353,9 @@ def main(argv=None) -> int:
     ap.add_argument("--counts", default="32,1024,4096",
                     help="comma-separated tensor counts (default 32,1024,4096)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--runs", type=int, default=1,
+                    help="whole measurements, each on a fresh cluster; figures are then the "
+                         "median of the runs' medians, ranges those of the run medians")
     ap.add_argument("--bucket-mb", type=int, default=16, help="reshard's bucket size")
     ap.add_argument("--store-mb", type=int, default=0,
                     help="object store per node (default: sized for --mb, see harness)")
@@ -299,13 +368,23 @@ def main(argv=None) -> int:
             shape_for(args.mb, c)
     except ValueError as e:
         ap.error(f"--counts/--mb: {e}")
-    if args.repeats < 1 or args.mb < 1:
-        ap.error("--repeats and --mb must be positive")
-    out = measure(args.mb, counts, args.repeats, args.bucket_mb, args.store_mb,
-                  log=lambda *a, **k: print(*a, **k))
-    print("\ngoals (median ratios):")
+    if args.repeats < 1 or args.mb < 1 or args.runs < 1:
+        ap.error("--repeats, --runs and --mb must be positive")
+    outs = []
+    for k in range(args.runs):
+        if args.runs > 1:
+            print(f"\n== run {k + 1} of {args.runs}, on a fresh cluster", flush=True)
+        outs.append(measure(args.mb, counts, args.repeats, args.bucket_mb, args.store_mb,
+                            log=lambda *a, **k: print(*a, **k)))
+    out = combine_runs(outs)
+    if args.runs > 1:
+        print(f"\nover the {args.runs} runs: median of the run medians [lowest-highest run "
+              f"median]")
+        for count, row in out["counts"].items():
+            print(render_row(row))
+    print("\ngoals (median ratios" + (" over the runs" if args.runs > 1 else "") + "):")
     for g in out["goals"]:
-        print(f"  {g['goal']:<52} {g['measured']:6.2f}  {'met' if g['met'] else 'NOT met'}")
+        print(f"  {g['goal']:<52} {g['measured']:6.2f}  {goal_text(g)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

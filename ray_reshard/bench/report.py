@@ -27,9 +27,9 @@ PY = "python -m"
 # name -> (title, full arguments, small arguments, writes JSON)
 SECTIONS = {
     "peers": ("reshard and its peers on the same actors",
-              ["ray_reshard", "bench-peers", "--mb", "256", "--repeats", "5"],
+              ["ray_reshard", "bench-peers", "--mb", "256", "--repeats", "5", "--runs", "3"],
               ["ray_reshard", "bench-peers", "--mb", "16", "--counts", "32,64",
-               "--repeats", "2"], True),
+               "--repeats", "2", "--runs", "2"], True),
     "first-refit": ("The first refit at scale (CPU seconds)",
                     ["ray_reshard", "bench-first-refit"],
                     ["ray_reshard", "bench-first-refit", "--models", "qwen3-235b", "--wide",
@@ -121,19 +121,36 @@ def _table(head: list, rows: list) -> list:
 
 
 def _goal_rows(goals: list) -> list:
-    return [(g["goal"], f"{g['measured']:.2f}", "met" if g["met"] else "**not met**")
-            for g in goals]
+    """(goal, measured, met); with several runs the measured median's range over them and in
+    how many runs the goal was met."""
+    rows = []
+    for g in goals:
+        measured, met = f"{g['measured']:.2f}", "met" if g["met"] else "**not met**"
+        if g.get("runs", 1) > 1:
+            measured += f" [{g['low']:.2f}-{g['high']:.2f}]"
+            met += f" ({g['runs_met']} of {g['runs']} runs)"
+        rows.append((g["goal"], measured, met))
+    return rows
 
 
 def render_peers(r: dict) -> list:
-    from .peers import PEERS, ratios
+    from .peers import PEERS, ratio_spreads, ratio_text
 
     o = r["json"]
+    runs = o.get("runs", 1)
+    if runs > 1:
+        how = (f"each figure the median over {runs} runs, each on a fresh cluster, of that "
+               f"run's median of {o['repeats']} after a warm-up; [range] is the lowest and "
+               f"highest run median, where a fresh run's median lands; the peers take turns "
+               f"in an order rotated each repeat, each timed run starting once the machine is "
+               f"quiet")
+    else:
+        how = (f"median [range] of {o['repeats']} after a warm-up, peers taking turns within "
+               f"each repeat")
     lines = [f"{o['layout']}, {o['mb']} MiB per case; object store "
              f"{min(o['store_bytes_per_node'].values()) / 2**20:.0f} MiB per node, Ray's spill "
              f"counters read before and after every case (nothing spilled, or the run fails); "
-             f"seconds from the driver's call to every destination holding the weights, median "
-             f"[range] of {o['repeats']} after a warm-up, peers taking turns within each repeat. "
+             f"seconds from the driver's call to every destination holding the weights, {how}. "
              f"Ray Direct Transport: {o['rdt']}.", ""]
     head = ["tensors"] + list(PEERS) + ["reshard vs object store",
                                         "reshard's share of raw point-to-point"]
@@ -144,11 +161,12 @@ def render_peers(r: dict) -> list:
             p = row["peers"].get(name)
             cells.append("not run" if p is None else
                          f"{p['median']:.3f} [{p['low']:.3f}-{p['high']:.3f}]")
-        rat = ratios(row)
-        cells += [f"{rat['object store']:.2f}x", f"{rat['raw share']:.2f}"]
+        rat = ratio_spreads(row)
+        cells += [ratio_text(rat["object store"], "x"), ratio_text(rat["raw share"])]
         rows.append(cells)
     lines += _table(head, rows)
-    lines += ["", "Goals (medians):", ""] + _table(["goal", "measured", ""], _goal_rows(o["goals"]))
+    lines += ["", "Goals (medians" + (" over the runs" if runs > 1 else "") + "):", ""]
+    lines += _table(["goal", "measured", ""], _goal_rows(o["goals"]))
     return lines
 
 

@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from ray_reshard.bench import report
-from ray_reshard.bench.harness import MiB, Spread, store_bytes_for
-from ray_reshard.bench.peers import goals, ratios, shape_for
+from ray_reshard.bench.harness import MiB, Spread, settle, store_bytes_for
+from ray_reshard.bench.peers import combine_runs, goals, ratios, shape_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -46,6 +46,51 @@ def test_goals_say_met_or_not_from_the_medians():
         "layout": "L", "mb": 1, "store_bytes_per_node": {"node0": MiB}, "repeats": 1,
         "rdt": "not run: x", "counts": {"32": row}, "goals": goals({"counts": {"32": row}})}}))
     assert "**not met**" in page and "| met |" in page and "not run" in page
+
+
+def _run_out(row):
+    return {"mb": 1, "repeats": 5, "bucket_mb": 16, "layout": "L", "machine": {},
+            "store_bytes_per_node": {"node0": MiB}, "rdt": "not run: x",
+            "counts": {"32": dict(row, settle={"runs": 5, "waited_s": 0.3, "not_quiet": 0},
+                                  spill={"spilled_bytes": 0, "restored_bytes": 0})}}
+
+
+def test_runs_combine_into_medians_of_run_medians_with_their_range():
+    outs = [_run_out(_peers_row(reshard=1.0, store=s, raw=0.8)) for s in (1.8, 2.2, 2.6)]
+    out = combine_runs(outs)
+    row = out["counts"]["32"]
+    assert out["runs"] == 3 and row["peers"]["object store"]["values"] == [1.8, 2.2, 2.6]
+    assert (row["peers"]["object store"]["low"], row["peers"]["object store"]["high"]) == \
+        (1.8, 2.6)
+    assert ratios(row)["object store"] == pytest.approx(2.2)    # median of the runs' ratios
+    store_goal = out["goals"][0]
+    assert store_goal["met"] and (store_goal["runs_met"], store_goal["runs"]) == (2, 3)
+    assert row["settle"]["runs"] == 15
+    page = "\n".join(report.render_peers({"json": out}))
+    assert "| 2.20x [1.80-2.60] |" in page and "median over 3 runs" in page
+    assert "| 2.20 [1.80-2.60] | met (2 of 3 runs) |" in page
+    assert combine_runs(outs[:1])["runs"] == 1           # one run: its own figures
+
+
+def test_settle_waits_for_a_quiet_machine_and_gives_up_at_its_limit():
+    import threading
+    import time
+
+    waited = settle(quiet=1.01, window_s=0.01)           # never busier than all CPUs: at once
+    assert 0.0 < waited < 0.5
+    stop = time.perf_counter() + 1.0
+
+    def spin():
+        while time.perf_counter() < stop:
+            pass
+
+    busy = threading.Thread(target=spin)
+    busy.start()
+    try:
+        # a busy machine (quiet means under 0.1% busy here): waits its limit, then goes on
+        assert 0.2 <= settle(quiet=0.001, window_s=0.02, limit_s=0.2) < 0.9
+    finally:
+        busy.join()
 
 
 @pytest.mark.slow
@@ -86,8 +131,8 @@ def test_report_small_writes_the_page(tmp_path):
     for name in report.SECTIONS:
         assert f"`{report.command_line(name, True)}`" in page
     assert re.search(r"\| 32 x 128x1024 \| [0-9.]+ \[[0-9.]+-[0-9.]+\]", page)
-    assert re.search(r"reshard >= 2x the object store, 32 tensors \| [0-9.]+ \| (met|\*\*not met)",
-                     page)
+    assert re.search(r"reshard >= 2x the object store, 32 tensors \| [0-9.]+ \[[0-9.]+-[0-9.]+\] "
+                     r"\| (met|\*\*not met\*\*) \(\d of 2 runs\)", page)
     assert re.search(r"\| Qwen3-235B-A22B \| 128->128 \| \d+ \|", page)
     assert "bound from the layouts alone" in page and "| assumed |" in page
     assert "3.2-3.3 s" in page and "All predictions." in page
