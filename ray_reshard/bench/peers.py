@@ -1,6 +1,6 @@
 """reshard and its peers side by side, on the same actors in one run, each at its best.
 
-    python -m ray_reshard bench-peers [--mb 256] [--counts 32,1024,4096] [--repeats 5]
+    python -m ray_reshard bench-peers [--mb 256] [--counts 32,1024,4096] [--repeats 5] [--runs 1]
 
 4 source actors on one simulated node hold TP4 row shards of `--mb` MiB of fp32 weights, cut
 into 32, 1024 or 4096 tensors; 4 destination actors on another node are TP2 x DP2. Peers, on
@@ -26,7 +26,10 @@ take turns within each repeat (so drift on a shared machine hits all alike), in 
 each repeat, and each timed run starts once the machine is quiet (`harness.settle`: work the
 previous run left behind, such as the object store freeing its objects, would otherwise be
 charged to whichever peer runs next). Each figure is the median of `--repeats` with its range.
-Nothing is asserted; the goals are printed beside the figures.
+With `--runs N` the whole measurement runs N times, each on a fresh cluster, and each figure is
+the median of the runs' medians with the lowest and highest of them: the spread a fresh run's
+median lands in, which one run's range of repeats does not tell. Nothing is asserted; the
+goals are printed beside the figures.
 """
 from __future__ import annotations
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
+import numpy as np
 import torch
 
 from ..layout import quant as _quant
@@ -70,7 +71,7 @@ class Part:
 
     __slots__ = ("held", "slices", "shapes", "numels", "wire", "offsets", "nbytes", "item_bytes",
                  "quant", "_regions", "_runs", "_loose", "_table", "_engine", "_wires", "_msgs",
-                 "_scales", "_pair", "_table_dev")
+                 "_scales", "_pair", "_table_dev", "_rows")
 
     def __init__(self, held, slices, shapes, numels, wire, offsets, item_bytes, nbytes,
                  quant=None):
@@ -93,6 +94,7 @@ class Part:
         self._table_dev = -1          # the device the regions (and the table) are on
         self._wires: dict = {}        # staging buffer data pointer -> wire views of loose runs
         self._msgs = None             # per item: bytes of the region itself, or None (staged)
+        self._rows = None             # see byte_rows (False: it has none)
 
     def __len__(self) -> int:
         return len(self.held)
@@ -100,7 +102,7 @@ class Part:
     # ------------------------------------------------------------------ binding
     def unbind(self) -> None:
         self._regions = self._runs = self._msgs = self._scales = None
-        self._loose = self._table = self._engine = self._pair = None
+        self._loose = self._table = self._engine = self._pair = self._rows = None
         self._wires = {}
 
     def holds(self) -> set:
@@ -139,6 +141,7 @@ class Part:
         self._regions = regions
         self._runs = runs
         self._loose, self._table, self._engine, self._pair = runs, None, None, None
+        self._rows = None
         if engine is not None:
             same = [k for k, run in enumerate(runs)
                     if run[3].dtype == run[2] and (run[4] or engine.strided)]
@@ -225,6 +228,30 @@ class Part:
                     self.unpack_item(i, buf[self.offsets[i]:self.offsets[i] + self.item_bytes[i]])
                 elif qi is not None:
                     qi.finisher.add(self.numels[i])
+
+    def byte_rows(self):
+        """The bucket's bytes where they lie in this process, once bound: (n, 2) int64 rows of
+        (address, length), in bucket order, when every item is plain bytes of host memory in
+        its wire dtype (no conversion, no quantisation, each run contiguous), else None. A
+        ring forward lists these instead of packing them (see shm.ShmRing.send_rows)."""
+        if self._rows is None:
+            runs = self._runs
+            ok = runs is not None and not (self.quant and any(q is not None for q in self.quant))
+            ok = ok and all(flat and r.dtype == wd and r.device.type == "cpu"
+                            for _, _, wd, r, flat in runs)
+            rows = None
+            if ok:
+                rows = np.array([(r.data_ptr(), r.numel() * r.element_size())
+                                 for _, _, _, r, _ in runs], dtype=np.int64).reshape(-1, 2)
+                ok = int(rows[:, 1].sum()) == sum(self.item_bytes)
+            self._rows = rows if ok else False
+        return self._rows if self._rows is not False else None
+
+    def item_rows(self, buf: torch.Tensor):
+        """(n, 2) int64 rows (address, length) of each item's bytes in `buf`, a bucket."""
+        base = buf.data_ptr()
+        return np.array([(base + o, n) for o, n in zip(self.offsets, self.item_bytes)],
+                        dtype=np.int64).reshape(-1, 2)
 
     def messages(self, sending: bool) -> list:
         """Per item (one message each): the region's own bytes when it is contiguous (and, to

@@ -6,7 +6,9 @@ handle, `complete(handle, deadline, what)` waits for it (`done(handle)` asks wit
 blocked on this process. `NetChannel` is the group's process group (gloo or NCCL: isend/irecv),
 `RingChannel` the shared-memory or CUDA IPC rings to processes on the node (a ring's slot is
 packed in place, so `post` on a ring takes a fill/drain function instead of a tensor and finishes
-at once), `LoopbackChannel` moves nothing (benchmarks replay one process's CPU work with it).
+at once; `post_part` takes a program part and, where the peer may read this process's memory,
+lists the part's bytes instead of packing them), `LoopbackChannel` moves nothing (benchmarks
+replay one process's CPU work with it).
 """
 from __future__ import annotations
 
@@ -79,6 +81,8 @@ class RingChannel(Channel):
     def __init__(self, rings_out: dict, rings_in: dict):
         self.rings_out, self.rings_in = rings_out, rings_in
         self.waiting: set = set()      # rings with deferred commits or releases
+        self.listed: set = set()       # rings whose consumer copies listed bytes out of here
+        self.listed_bytes = 0          # bytes this process copied out of a peer that way
 
     def has(self, peer: int, sending: bool) -> bool:
         return peer in (self.rings_out if sending else self.rings_in)
@@ -100,6 +104,45 @@ class RingChannel(Channel):
             self.waiting.add(ring)
         return None
 
+    def post_part(self, peer: int, part, sending: bool, nbytes: int, deadline: float) -> None:
+        """A ring step for a program part (see execution/program.py). Where the consumer copies
+        out of the producer's memory itself (shared-memory rings that probed cross-memory
+        attach, see shm.py) and the part's bytes are plain rows of host memory, the slot lists
+        them instead of holding them: one copy per byte instead of two. The producer must
+        `drain` before those bytes may change."""
+        if sending:
+            ring = self.rings_out[peer]
+            if getattr(ring, "reads_direct", None) is not None and ring.reads_direct():
+                rows = part.byte_rows()
+                if rows is not None and rows.nbytes <= ring.slot_bytes:
+                    ring.send_rows(rows, deadline)
+                    self.listed.add(ring)
+                    return
+            self.post(peer, part.pack, True, nbytes, deadline)
+            return
+        ring = self.rings_in[peer]
+        slot = ring.recv_slot(deadline)
+        if getattr(ring, "listed", False):
+            rows = part.byte_rows()
+            if rows is not None:
+                ring.read_listed(slot, rows)
+            else:                       # converted or strided here: copy in, then unpack
+                buf = torch.empty(part.nbytes, dtype=torch.uint8)
+                ring.read_listed(slot, part.item_rows(buf))
+                part.unpack(buf, cache=False)
+            self.listed_bytes += part.nbytes
+        else:
+            part.unpack(slot)
+        ring.release_recv(defer=True)
+        if ring.deferred:
+            self.waiting.add(ring)
+
+    def drain(self, deadline: float) -> None:
+        """Wait until every consumer has copied what this process listed (see `post_part`)."""
+        listed, self.listed = self.listed, set()
+        for ring in listed:
+            ring.drain(deadline)
+
     def poll(self) -> None:
         """Publish and free what the GPU has finished; never blocks."""
         if self.waiting:
@@ -117,6 +160,7 @@ class RingChannel(Channel):
 
     def abort(self, reason):
         self.waiting = set()
+        self.listed = set()
         for ring in [*self.rings_out.values(), *self.rings_in.values()]:
             try:
                 ring.abort(reason[:200])

@@ -192,10 +192,10 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
     def ring_step(st):
         t0 = now()
         if st.kind == SEND:
-            rings.post(st.peer, st.send.pack, True, st.nbytes, deadline)
+            rings.post_part(st.peer, st.send, True, st.nbytes, deadline)
             clock["pack"] += now() - t0
         else:
-            rings.post(st.peer, st.recv.unpack, False, 0, deadline)
+            rings.post_part(st.peer, st.recv, False, st.nbytes, deadline)
             clock["unpack"] += now() - t0
             moved[st.path] += st.nbytes
 
@@ -312,11 +312,13 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
         _run_rings([], rings, ring_step, carried, False)
     if rings is not None:
         rings.flush()
+        rings.drain(deadline)   # bytes listed for a peer to copy stay put until it has
     if tr.device.type == "cuda":
         torch.cuda.synchronize(tr.device)
     stats = {"bytes_by_path": moved, "sent_bytes": sent, "recv_bytes": recv,
              "peak_staging_bytes": peak_staged[1] * staging.nbytes, "transfers": len(prog.steps),
-             "parts_rebuilt": rebuilt, "clock": clock, "ring_recvs_left_behind": left_behind}
+             "parts_rebuilt": rebuilt, "clock": clock, "ring_recvs_left_behind": left_behind,
+             "single_copy_bytes": rings.listed_bytes if rings is not None else 0}
     if delta is not None:
         stats["delta"] = delta.stats()
     return stats

@@ -34,6 +34,15 @@ instead. A waiter also wakes every 0.1 s to check that the peer process is alive
 :class:`TransportTimeout` at its deadline, or with :class:`TransportError` when either side called
 :meth:`ShmRing.abort` or the peer process is gone.
 
+Single-copy slots: where the consumer may read the producer's memory (Linux cross-memory attach,
+see cma.py; the consumer probes it at its first receive by reading the ring's random nonce
+through the producer's own mapping, and records the answer in the header), the producer may
+publish a slot that lists (address, length) rows of its own memory instead of holding the bytes
+(:meth:`ShmRing.send_rows`; a flag bit in the slot's length says so). The consumer copies them
+straight into place (:meth:`ShmRing.read_listed`): one copy per byte instead of two. The listed
+bytes must stay as they are until the consumer released the slot (:meth:`ShmRing.drain`).
+``RAY_RESHARD_SINGLE_COPY=0`` in the consumer's environment turns it off.
+
 Lifetime: :meth:`ShmRing.unlink` removes the name; existing mappings stay valid, so a segment can be
 unlinked as soon as both sides have attached, after which nothing can leak even if the processes
 die. The mapping itself is released by :meth:`ShmRing.close`, or, when tensor views into the slots
@@ -58,6 +67,7 @@ import numpy as np
 import torch
 
 from ...errors import TransportError, TransportTimeout
+from . import cma
 
 __all__ = ["ShmRing", "SHM_DIR", "new_segment_name", "segment_path", "segment_exists"]
 
@@ -78,7 +88,10 @@ _OFF_DATA_BYTES = 40        # bytes of slot data stored in this segment (0: data
 _OFF_TOTAL_BYTES = 48
 _OFF_META_LEN = 56
 _OFF_PRODUCED = 64          # own cache line
+_OFF_PRODUCER_MAP = 72      # the producer's address of this mapping (written once)
+_OFF_NONCE = 80             # random at creation: what a cross-memory probe reads back
 _OFF_CONSUMED = 128         # own cache line
+_OFF_DIRECT = 136           # consumer: 1 reads the producer's memory itself, -1 cannot
 _OFF_ABORT = 192            # abort reason code (0: not aborted)
 _OFF_ABORT_PID = 200
 _OFF_ATTACHED = 208         # number of attach() calls so far (incremented under flock)
@@ -90,6 +103,8 @@ _REASON_BYTES = 256
 _OFF_META = 512             # opaque metadata (e.g. a CUDA IPC handle)
 META_BYTES = 4096
 _OFF_LENGTHS = _OFF_META + META_BYTES
+
+_LISTED = 1 << 62            # a slot length's flag: the slot lists the producer's memory (rows)
 
 # abort reason codes
 ABORT_NONE = 0
@@ -273,6 +288,8 @@ class _Segment:
         self._unpublished: deque = deque()   # committed sends: (slot, length, done marker)
         self._unreleased: deque = deque()    # taken receives: done markers
         self.created = owner_created
+        self._direct: Optional[bool] = None  # consumer: may it read the producer's memory
+        self.direct_refused = ""             # consumer: why not, when it may not
 
     # -- raw header words
     def _load(self, off: int) -> int:
@@ -352,6 +369,7 @@ class _Segment:
         hdr[_OFF_DATA_BYTES // 8] = stride * slots
         hdr[_OFF_TOTAL_BYTES // 8] = total
         hdr[_OFF_PIDNS // 8] = _pidns()
+        hdr[_OFF_NONCE // 8] = int.from_bytes(secrets.token_bytes(8), "little", signed=True)
         if meta:
             mm[_OFF_META:_OFF_META + len(meta)] = meta
             hdr[_OFF_META_LEN // 8] = len(meta)
@@ -455,6 +473,8 @@ class _Segment:
         if self._role == role:
             return
         self._role = role
+        if role == "producer":
+            self._store(_OFF_PRODUCER_MAP, self._base)
         self._store(_OFF_PRODUCER_PID if role == "producer" else _OFF_CONSUMER_PID, os.getpid())
 
     def _peer_gone(self, role: str) -> Optional[int]:
@@ -694,9 +714,63 @@ class ShmRing(_Segment):
 
     def recv_slot(self, deadline: float) -> torch.Tensor:
         """Wait for the next published slot; return a uint8 view of its bytes (valid until
-        release_recv)."""
+        release_recv). When `listed` is then true, the slot lists the producer's memory (see
+        `send_rows`): `read_listed` copies it."""
         idx, n = self._acquire_recv(deadline)
-        return self._view(idx, n)
+        self.listed = bool(n & _LISTED)
+        if self._direct is None:
+            self._probe_direct()
+        return self._view(idx, n & ~_LISTED)
+
+    # -- single-copy forwards (cross-memory attach, see cma.py): the producer lists the bytes,
+    #    the consumer copies them out of the producer's memory itself
+    listed = False
+
+    def _probe_direct(self) -> None:
+        """Consumer, once the producer has registered: read the ring's nonce through the
+        producer's own mapping; record whether that works (`reads_direct` on the other side)."""
+        pid, base = self._load(_OFF_PRODUCER_PID), self._load(_OFF_PRODUCER_MAP)
+        if pid <= 0 or base == 0:
+            return
+        if os.environ.get("RAY_RESHARD_SINGLE_COPY", "1") == "0":
+            why = "RAY_RESHARD_SINGLE_COPY=0"
+        elif self._load(_OFF_PIDNS) != self._pidns or self._pidns == 0:
+            why = "the producer may live in another pid namespace"
+        else:
+            nonce = int(self._load(_OFF_NONCE)).to_bytes(8, "little", signed=True)
+            why = cma.probe(pid, base + _OFF_NONCE, nonce) or ""
+        self._direct, self.direct_refused = not why, why
+        self._store(_OFF_DIRECT, 1 if not why else -1)
+
+    def reads_direct(self) -> bool:
+        """Producer: whether the consumer copies listed bytes out of this process itself (it
+        probed that it may); before its first receive it has not said yet."""
+        return not self._closed and self._load(_OFF_DIRECT) == 1
+
+    def send_rows(self, rows: np.ndarray, deadline: float) -> None:
+        """Producer: publish a slot listing `rows` ((n, 2) int64: address, length) of this
+        process's memory for the consumer to copy (only where `reads_direct`). Those bytes must
+        stay as they are until the consumer released the slot: `drain` waits for that."""
+        nbytes = rows.nbytes
+        view = self.send_slot(nbytes, deadline)
+        view.copy_(torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)).view(torch.uint8)
+                   .reshape(-1))
+        self._send_n = nbytes | _LISTED
+        self._commit(None)
+
+    def read_listed(self, slot: torch.Tensor, local: np.ndarray) -> None:
+        """Consumer: copy the bytes the taken slot lists out of the producer into the memory
+        `local` lists ((n, 2) int64: address, length; the same total)."""
+        remote = slot.numpy().view(np.int64).reshape(-1, 2)
+        cma.read(self._load(_OFF_PRODUCER_PID), local, remote)
+
+    def drain(self, deadline: float) -> None:
+        """Producer: wait until the consumer has released every slot published so far (after
+        `send_rows`: until it has copied the bytes they list)."""
+        self.flush()
+        target = self._load(_OFF_PRODUCED)
+        self._wait(lambda: self._load(_OFF_CONSUMED) >= target, deadline,
+                   "the consumer to take every slot", _OFF_CONSUMED)
 
     def release_recv(self, done=None, defer: bool = False) -> None:
         """Free the slot returned by the last recv_slot (with `done`: once it is done; `defer`
