@@ -109,7 +109,11 @@ class SpillCheck:
         return {"spilled_bytes": spilled, "restored_bytes": restored}
 
 
-def settle(quiet: float = 0.25, window_s: float = 0.05, limit_s: float = 3.0) -> float:
+SETTLE_LIMIT_S = 3.0          # the longest wait for a quiet machine before a timed run
+
+
+def settle(quiet: float = 0.25, window_s: float = 0.05,
+           limit_s: float = SETTLE_LIMIT_S) -> float:
     """Wait until the machine is quiet: the share of all CPUs busy over `window_s` below
     `quiet`, or `limit_s` passed. Work one timed run leaves behind (the object store freeing
     a refit's objects, a collective's threads winding down) then ends before the next run

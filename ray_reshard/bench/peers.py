@@ -40,13 +40,12 @@ import torch
 
 from ..cli_args import Parser, output_file
 from ..testing import local_cluster
-from .harness import MiB, SpillCheck, Spread, check_store, machine_facts, settle, \
-    store_bytes_for
+from .harness import SETTLE_LIMIT_S, MiB, SpillCheck, Spread, check_store, machine_facts, \
+    settle, store_bytes_for
 
 COLS = 1024
 GOAL_OBJECT_STORE = 2.0       # reshard at least this many times faster than the object store
 GOAL_RAW_SHARE = 0.85         # reshard at least this share of raw point-to-point
-SETTLE_LIMIT_S = 3.0          # the longest wait for a quiet machine before a timed run
 RAW = ("raw point-to-point, bucket-sized messages", "raw point-to-point, one message per pair")
 RDT = "Ray Direct Transport (gloo)"
 PEERS = ("reshard", "object store", RDT, "gather-broadcast") + RAW
@@ -234,7 +233,7 @@ def measure(mb: int, counts: list, repeats: int, bucket_mb: int = 16,
                 waits = []
                 for k in range(repeats):
                     for name in order[k % len(order):] + order[:k % len(order)]:
-                        waits.append(settle(limit_s=SETTLE_LIMIT_S))
+                        waits.append(settle())
                         times[name].append(peers[name]())
             finally:
                 for group in (g, gb, whole):
