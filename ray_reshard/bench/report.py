@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 
+from ..execution.program import PER_ITEM_MIN_BYTES
 from .harness import machine_facts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -266,9 +267,8 @@ NOTES = {
              "forwards the second replica's bytes inside the destination node (one copy per byte, "
              "which the receiving process makes straight out of the forwarder's memory; two, "
              "into a shared-memory ring and out of it, where the kernel refuses that), and "
-             "below 64 KiB per item it "
-             "packs and unpacks every item (two more copies per byte, and a per-item cost), "
-             "besides each refit's check of every local tensor. The raw sends move the "
+             f"below {PER_ITEM_MIN_BYTES >> 10} KiB per item it packs and unpacks every item "
+             "(two more copies per byte, and a per-item cost), besides each refit's check of every local tensor. The raw sends move the "
              "plan's network bytes once (256 MiB, into one destination each); the four "
              "destinations hold 512 MiB (two TP2 replicas), and reshard delivers all of it, the "
              "second replica by forwarding inside node 1. On a real cluster that forward "

@@ -7,9 +7,9 @@ On a local two-node Ray cluster (4 source actors on node A, 4 destination actors
    for 4 pairs at once (gloo over loopback), the shared-memory ring inside a node (a refit
    whose moves all stay in the domain, less its copies), the cost of a one-item refit round
    (latency; the same inside a node: a ring transfer's fixed cost), the extra cost per item
-   (many small tensors), per message (the same bytes in 64 KiB items, each its own message, or
-   in one), and one core's copy rates out of
-   strided and contiguous regions into buffers that exist (as packing into staging does);
+   (many small tensors), per message (the same bytes in items at the per-item threshold, each
+   its own message, or in one), and one core's copy rates out of strided and contiguous
+   regions into buffers that exist (as packing into staging does);
 2. refit several other layouts, sizes and tensor counts, and print the measured median of
    `--repeats` refits and their range next to the simulator's prediction for them with those
    constants (the plans are the ones the group runs; the simulator replays their schedules);
@@ -33,6 +33,7 @@ import torch
 
 import ray_reshard as rr
 from ray_reshard.cli_args import Parser
+from ray_reshard.execution.program import PER_ITEM_MIN_BYTES
 from ray_reshard.sim import Cluster, gather_broadcast_seconds, simulate
 from ray_reshard.testing import holders, local_cluster
 
@@ -144,12 +145,13 @@ def calibrate_once(args, src, dst, near) -> dict:
         cross = _specs(400, 16, 16, tp4, tp4c)          # 400 tensors, 4 items each per source
         _fill(src, cross, "src"), _fill(dst, cross, "dst")
         t_cross = _time_refits(g, cross, prim)
-        # the same 16 MiB as 64 tensors of 64 KiB items (each its own message, in place)
-        # or one tensor of one 4 MiB item per pair: the cost of 63 more messages per pair
-        msgs64 = _specs(64, N, 16384, tp4, tp4)
+        # the same bytes as 64 tensors of items at the per-item threshold (each its own
+        # message, in place) or one tensor of one item per pair: 63 more messages per pair
+        msg_cols = PER_ITEM_MIN_BYTES // 4
+        msgs64 = _specs(64, N, msg_cols, tp4, tp4)
         _fill(src, msgs64, "src"), _fill(dst, msgs64, "dst")
         t_msgs64 = _time_refits(g, msgs64, prim)
-        msgs1 = _specs(1, N * 64, 16384, tp4, tp4)
+        msgs1 = _specs(1, N * 64, msg_cols, tp4, tp4)
         _fill(src, msgs1, "src"), _fill(dst, msgs1, "dst")
         t_msgs1 = _time_refits(g, msgs1, prim)
     # all ranks share the cores; an item is handled by its sender and its receiver, a
@@ -190,7 +192,7 @@ def calibrate_once(args, src, dst, near) -> dict:
                     latency_s=latency, item_s=item_s, tensor_s=tensor_s, fabric_Bps=fabric,
                     domain_fabric_Bps=domain_fabric, refit_overhead_s=overhead,
                     copy_Bps=copy_bps, contig_copy_Bps=contig_bps, cpu_cores=cores,
-                    broadcast="flat", per_item_min_bytes=64 << 10, message_s=message_s,
+                    broadcast="flat", per_item_min_bytes=PER_ITEM_MIN_BYTES, message_s=message_s,
                     ring_latency_s=ring_latency)
     print("constants (measured with primitive transfers, not with the refits below):")
     print(f"  network one pair {one / 1e9:.2f} GB/s, 4 pairs together {fabric / 1e9:.2f} GB/s; "

@@ -47,9 +47,11 @@ from ..planning.planner import NETWORK, Endpoint
 SEND, RECV, COPY = "send", "recv", "copy"
 
 # Network buckets whose items are all at least this large travel as one message per item, on
-# CPU tensors (a message costs less than copying such an item into a staging buffer). On GPUs a
-# device copy costs far less than a message, so buckets always travel packed (threshold None).
-PER_ITEM_MIN_BYTES = 64 << 10
+# CPU tensors (a message costs less than copying such an item into a staging buffer and out of
+# one). Over gloo on a loaded host, 64 KiB items moved faster packed and 128 KiB items as their
+# own messages (`python -m ray_reshard bench-peers` moves both sizes). On GPUs a device copy
+# costs far less than a message, so buckets always travel packed (threshold None).
+PER_ITEM_MIN_BYTES = 128 << 10
 
 
 def per_item_min_bytes(device_type: str):

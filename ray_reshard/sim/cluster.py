@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from ..execution.program import PER_ITEM_MIN_BYTES
+
 GB = 1e9
 
 # Executor CPU time per item (one box of one tensor packed, unpacked or sent in place) and per
@@ -167,7 +169,7 @@ PRESETS = {
                      item_s=0.6e-6, tensor_s=2.3e-6, message_s=20.3e-6, fabric_Bps=3.50 * GB,
                      domain_fabric_Bps=11.87 * GB, refit_overhead_s=7.4e-3, copy_Bps=7.71 * GB,
                      contig_copy_Bps=16.01 * GB, cpu_cores=2, broadcast="flat",
-                     per_item_min_bytes=64 << 10, delta_encode_Bps=MEASURED_DELTA_ENCODE_BPS,
+                     per_item_min_bytes=PER_ITEM_MIN_BYTES, delta_encode_Bps=MEASURED_DELTA_ENCODE_BPS,
                      delta_decode_Bps=MEASURED_DELTA_DECODE_BPS),
 }
 

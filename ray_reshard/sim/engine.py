@@ -86,6 +86,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..execution.program import PER_ITEM_MIN_BYTES
 from ..planning.plan import (DEFAULT_BUCKET_BYTES, MAX_WINDOW, Plan, bucket_keys, default_window,
                              forward_key, forward_segment, group_span, is_forward_key, parent_key,
                              segment_rotations)
@@ -136,9 +137,9 @@ class Messages:
 
 
 # Network items at least this large travel as their own messages on CPU devices (the
-# executor's wire format, `execution.program.PER_ITEM_MIN_BYTES`), in place when contiguous; smaller
-# ones, strided ones and every domain (ring) transfer are copied.
-IN_PLACE_MIN_BYTES = 64 << 10
+# executor's wire format), in place when contiguous; smaller ones, strided ones and every
+# domain (ring) transfer are copied.
+IN_PLACE_MIN_BYTES = PER_ITEM_MIN_BYTES
 
 
 class _Staging:

@@ -10,6 +10,7 @@ import torch
 import ray_reshard as rr
 from ray_reshard.layout.quant import BlockFP8, reference_quantize, scale_view
 from ray_reshard.models import Megatron, VLLM, Recipe, empty_storage, local_state, refit_specs
+from ray_reshard.execution.program import PER_ITEM_MIN_BYTES
 from ray_reshard.execution.reference import simulate_refit
 from ray_reshard.testing import holders
 
@@ -208,12 +209,12 @@ def test_bench_fp8_command_small_mode():
 
 @pytest.mark.slow
 def test_fp8_items_as_single_messages_on_ray(cluster):
-    """Items of 64 KiB and more travel as one message each (staged: quantised on the way out,
+    """Items at the per-item threshold or above travel as one message each (staged: quantised on the way out,
     weights and scales unpacked on the way in; a fallback tensor widened), forwarded to the
     other replica of each destination node."""
     g = torch.Generator().manual_seed(3)
     full = (torch.randn(1024, 512, generator=g) * 0.02).to(torch.bfloat16)
-    cut = (torch.randn(600, 1024, generator=g) * 0.02).to(torch.bfloat16)
+    cut = (torch.randn(600, 2048, generator=g) * 0.02).to(torch.bfloat16)
     q = rr.BlockFP8((16, 16))
     src2 = rr.Layout(rr.Mesh([0, 1]), (rr.Shard(0),))
     src3 = rr.Layout(rr.Mesh([0, 1, 2]), (rr.Shard(0),))           # 200-row shards cut blocks
@@ -249,6 +250,6 @@ def test_fp8_items_as_single_messages_on_ray(cluster):
             assert torch.equal(got[r][k + "_scale_inv"], rs[:, sl])
     plan = rr.plan(specs, ["n0"] * 3, ["n0", "n1", "n0", "n1"])
     big = [t for t in plan.schedule(64 << 20).transfers if t.path == "network"
-           and all(it.box.numel * specs[plan.names[it.tensor]].itemsize >= 64 << 10
+           and all(it.box.numel * specs[plan.names[it.tensor]].itemsize >= PER_ITEM_MIN_BYTES
                    for it in t.items)]
     assert {plan.names[it.tensor] for t in big for it in t.items} == {"w", "c"}

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import ray_reshard as rr
+from ray_reshard.execution.program import PER_ITEM_MIN_BYTES
 from ray_reshard.sim import (Cluster, gather_broadcast_seconds, messages_exact, preset,
                              simulate)
 from ray_reshard.sim.cli import main as cli_main
@@ -134,12 +135,12 @@ def test_forward_waits_for_its_network_bucket():
 
 
 def test_in_place_items_cost_no_copy_on_cpu_wire_format():
-    """On a CPU cluster contiguous network items of 64 KiB or more travel in place (no copy);
-    on GPU presets every network bucket is packed and unpacked."""
+    """On a CPU cluster contiguous network items at the per-item threshold or above travel in
+    place (no copy); on GPU presets every network bucket is packed and unpacked."""
     p = _two_buckets()
     slow = BARE.with_(contig_copy_Bps=1 * GB)
     packed = simulate(p, slow, 8 << 20).predicted_s
-    in_place = simulate(p, slow.with_(per_item_min_bytes=64 << 10), 8 << 20).predicted_s
+    in_place = simulate(p, slow.with_(per_item_min_bytes=PER_ITEM_MIN_BYTES), 8 << 20).predicted_s
     assert packed == pytest.approx(in_place + 2 * 8e6 / GB)
 
 
@@ -280,7 +281,7 @@ def test_message_cost_only_for_items_sent_as_their_own():
     """`message_s` is paid per item at both ends where items travel as their own messages
     (the CPU wire format), and nowhere on a cluster that packs every bucket."""
     p = _two_buckets()                        # one pair, one 8 MB item in one bucket
-    cl = BARE.with_(per_item_min_bytes=64 << 10)
+    cl = BARE.with_(per_item_min_bytes=PER_ITEM_MIN_BYTES)
     base = simulate(p, cl, 8 << 20).predicted_s
     assert simulate(p, cl.with_(message_s=1e-3), 8 << 20).predicted_s == pytest.approx(base + 2e-3)
     packed = BARE.with_(message_s=1e-3)
