@@ -182,10 +182,14 @@ def calibrate_once(args, src, dst, near) -> dict:
         assert gd.plan(dom).stats.domain_bytes == gd.plan(dom).stats.total_bytes
         t_dom = _time_refits(gd, dom, prim)
         dom_rounds = 1 + max(t.key[0] for t in gd.plan(dom).schedule(bucket).transfers)
+        # whether the rings' receivers read the senders' memory themselves (see shm.py)
+        single_copy = sum(p.get("single_copy_bytes", 0)
+                          for p in gd.refit(dom).per_process) > 0
     dom_bytes = sum(s.nbytes for s in dom.values())
-    # a ring transfer is the sender's copy into the slot and the receiver's copy out of it
+    # a ring transfer is the receiver's copy straight out of the sender's memory where the
+    # kernel allows it, else the sender's copy into the slot and the receiver's copy out of it
     # (contiguous here), on the shared cores, plus the ring's own cost: the domain link
-    dom_copies = 2 * dom_bytes / contig_bps / cores
+    dom_copies = (1 if single_copy else 2) * dom_bytes / contig_bps / cores
     domain_fabric = dom_bytes / max(1e-4, t_dom - t_ring_round - dom_copies
                                     - (dom_rounds - 1) * ring_latency)
     local = Cluster("local (measured now)", N, nvlink_Bps=domain_fabric, nic_Bps=one,
@@ -193,7 +197,7 @@ def calibrate_once(args, src, dst, near) -> dict:
                     domain_fabric_Bps=domain_fabric, refit_overhead_s=overhead,
                     copy_Bps=copy_bps, contig_copy_Bps=contig_bps, cpu_cores=cores,
                     broadcast="flat", per_item_min_bytes=PER_ITEM_MIN_BYTES, message_s=message_s,
-                    ring_latency_s=ring_latency)
+                    ring_latency_s=ring_latency, single_copy_rings=single_copy)
     print("constants (measured with primitive transfers, not with the refits below):")
     print(f"  network one pair {one / 1e9:.2f} GB/s, 4 pairs together {fabric / 1e9:.2f} GB/s; "
           f"shared-memory refit in a node {dom_bytes / (t_dom - t_ring_round) / 1e9:.2f} GB/s")

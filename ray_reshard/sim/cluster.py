@@ -82,6 +82,9 @@ class Cluster:
     broadcast: str = "ring"             # "ring": pipelined (NCCL); "flat": root sends each copy (gloo)
     pack_over_link: bool = False        # a ring sender packs straight into the receiver's slot
                                         # over the link (CUDA IPC): copy and transfer are one
+    single_copy_rings: bool = False     # a ring receiver copies a contiguous sender's bytes
+                                        # straight out of its memory (CPU, cross-memory
+                                        # reads): the sender copies nothing
     ring_carry: bool = False            # a run of ring steps leaves receives not there yet
                                         # behind, taken once ready (NCCL: sliceable waits)
     ring_slots: int = 2                 # slots per ring (the executor's); a sender waits for
@@ -134,6 +137,8 @@ class Cluster:
                   f"messages ({self.message_s * 1e6:.1f} us each per end)")
         if self.pack_over_link:
             s += ", ring senders pack over the link"
+        if self.single_copy_rings:
+            s += ", ring receivers copy contiguous senders' bytes straight out of their memory"
         if self.host_overlap:
             s += ", host steps overlap the GPU's copies"
         if self.ring_carry:
@@ -169,7 +174,8 @@ PRESETS = {
                      item_s=0.6e-6, tensor_s=2.3e-6, message_s=20.3e-6, fabric_Bps=3.50 * GB,
                      domain_fabric_Bps=11.87 * GB, refit_overhead_s=7.4e-3, copy_Bps=7.71 * GB,
                      contig_copy_Bps=16.01 * GB, cpu_cores=2, broadcast="flat",
-                     per_item_min_bytes=PER_ITEM_MIN_BYTES, delta_encode_Bps=MEASURED_DELTA_ENCODE_BPS,
+                     per_item_min_bytes=PER_ITEM_MIN_BYTES, single_copy_rings=True,
+                     delta_encode_Bps=MEASURED_DELTA_ENCODE_BPS,
                      delta_decode_Bps=MEASURED_DELTA_DECODE_BPS),
 }
 

@@ -24,7 +24,9 @@ network group, and its network groups in flight:
   meanwhile: it takes the earliest time both are free for long enough, gaps left between
   transfers replayed earlier included, and it arrives `ring_latency_s` after;
   with `pack_over_link`, GPU clusters, the packing copy is the link transfer, else it comes
-  first). The receiver takes it as the executor does (`ring_recv="runs"`): within a run of
+  first; with `single_copy_rings`, the CPU preset, a sender whose regions are all contiguous
+  copies nothing and its receiver copies straight out of its memory). The receiver takes it
+  as the executor does (`ring_recv="runs"`): within a run of
   consecutive ring steps of its program, at once when it has arrived by the time the process
   reaches it, else after the run's other ready work, and the run ends once all have arrived and
   are unpacked (with `ring_carry`, NCCL clusters, it ends without the receives not there yet,
@@ -471,6 +473,13 @@ def _work(msgs: Messages, cluster: Cluster) -> tuple[np.ndarray, np.ndarray, np.
         net = msgs.path == PATH_CODE[NETWORK]
         cs = np.where(net, msgs.nbytes - ss, cs)
         cr = np.where(net, msgs.nbytes - sr, cr)
+    if cluster.single_copy_rings:
+        # a ring bucket whose sender regions are all contiguous is read by its receiver
+        # straight out of the sender's memory: the sender copies nothing, and a receiver
+        # with strided regions copies into a bucket first (contiguous), then out of it
+        listed = (msgs.path == PATH_CODE[DOMAIN]) & (ss == 0)
+        cs = np.where(listed, 0.0, cs)
+        cr = np.where(listed, cr + sr, cr)
     base = cluster.step_s + (0.0 if cluster.copy_tables else msgs.items * cluster.item_s)
     if cluster.per_item_min_bytes is not None and cluster.message_s:
         base = base + np.where(msgs.per_item, msgs.items * cluster.message_s, 0.0)

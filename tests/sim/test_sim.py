@@ -144,6 +144,28 @@ def test_in_place_items_cost_no_copy_on_cpu_wire_format():
     assert packed == pytest.approx(in_place + 2 * 8e6 / GB)
 
 
+def test_single_copy_rings_drop_the_senders_copy():
+    """Where ring receivers read the sender's memory themselves (CPU cross-memory reads), a
+    contiguous sender copies nothing; a receiver with strided regions copies into a bucket
+    and then out of it, so there the copies move from the senders to the receiver."""
+    lay = rr.Layout.replicated([0])
+    cols = rr.Layout(rr.Mesh([0, 1]), (rr.Shard(1),))
+    slow = BARE.with_(contig_copy_Bps=1 * GB, copy_Bps=1 * GB)
+    plain = {"w": rr.TensorSpec((2000, 1000), torch.float32, src=lay, dst=lay)}
+    p = rr.plan(plain, ["a"], ["a"])
+    assert p.stats.domain_bytes == 8_000_000
+    two = simulate(p, slow, 16 << 20).predicted_s
+    one = simulate(p, slow.with_(single_copy_rings=True), 16 << 20).predicted_s
+    assert two == pytest.approx(one + 8e6 / GB)
+    # contiguous column shards at the senders, column blocks of the whole at the receiver
+    strided = {"w": rr.TensorSpec((2000, 1000), torch.float32, src=cols, dst=lay)}
+    p = rr.plan(strided, ["a"] * 2, ["a"])
+    assert p.stats.domain_bytes == 8_000_000
+    two = simulate(p, slow, 16 << 20).predicted_s        # senders 4 MB each, at once
+    one = simulate(p, slow.with_(single_copy_rings=True), 16 << 20).predicted_s
+    assert one == pytest.approx(two - 4e6 / GB + 8e6 / GB)
+
+
 def test_exact_and_aggregate_agree():
     specs = _tp4_to_tp2dp2()
     p = rr.plan(specs, ["n0"] * 4, ["n1"] * 4)
