@@ -27,9 +27,10 @@ each repeat, and each timed run starts once the machine is quiet (`harness.settl
 previous run left behind, such as the object store freeing its objects, would otherwise be
 charged to whichever peer runs next). Each figure is the median of `--repeats` with its range.
 With `--runs N` the whole measurement runs N times, each on a fresh cluster, and each figure is
-the median of the runs' medians with the lowest and highest of them: the spread a fresh run's
-median lands in, which one run's range of repeats does not tell. Nothing is asserted; the
-goals are printed beside the figures.
+the median of the runs' medians with the lowest and highest of them: how far a fresh cluster
+moves the figure, which one run's range of repeats does not tell (not a guarantee: were the
+runs alike, a further run's median would fall inside the range of N runs' medians with chance
+(N - 1) / (N + 1)). Nothing is asserted; the goals are printed beside the figures.
 """
 from __future__ import annotations
 
@@ -253,7 +254,7 @@ def measure(mb: int, counts: list, repeats: int, bucket_mb: int = 16,
 
 def combine_runs(outs: list) -> dict:
     """Several runs' figures (each `measure` on a fresh cluster) as one: each peer's median of
-    the runs' medians with the range of those medians (where a fresh run's median lands), each
+    the runs' medians with the range of those medians (how far a fresh cluster moved it), each
     ratio's median over the runs with its range, and each goal judged on that median."""
     if len(outs) == 1:
         return dict(outs[0], runs=1)

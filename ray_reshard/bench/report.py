@@ -142,7 +142,9 @@ def render_peers(r: dict) -> list:
     if runs > 1:
         how = (f"each figure the median over {runs} runs, each on a fresh cluster, of that "
                f"run's median of {o['repeats']} after a warm-up; [range] is the lowest and "
-               f"highest run median, where a fresh run's median lands; the peers take turns "
+               f"highest run median: how far a fresh cluster moved the figure (were the runs "
+               f"alike, a further run's median would fall inside the range of {runs} runs' "
+               f"medians with chance {(runs - 1) / (runs + 1):.0%}); the peers take turns "
                f"in an order rotated each repeat, each timed run starting once the machine is "
                f"quiet")
     else:
@@ -176,18 +178,27 @@ def render_first_refit(r: dict) -> list:
     head = ["model", "ranks", "tensors", "specs", "lookup", "plan", "turns", "put",
             "driver", "shipped MB", "load", "install dst / src", "busiest process"]
     rows = []
+
+    def spread(x, key):
+        lo_hi = x.get(key + "_range")
+        return f"**{x[key]:.2f}**" + (f" [{lo_hi[0]:.2f}-{lo_hi[1]:.2f}]" if lo_hi else "")
+
     for ranks, x in o["rows"].items():
         turns = f"{x['turns_s']:.2f}" if x["turns"] else f"- ({x['turns_s']:.2f})"
-        rows.append((x["model"], ranks, x["tensors"], f"{x['specs_s']:.2f}",
+        rows.append((x["model"], ranks, f"{x['tensors']:.0f}", f"{x['specs_s']:.2f}",
                      f"{x['lookup_s']:.2f}", f"{x['plan_s']:.2f}", turns, f"{x['put_s']:.2f}",
-                     f"**{x['driver_s']:.2f}**", f"{x['shipped_mb']:.1f}", f"{x['load_s']:.2f}",
+                     spread(x, "driver_s"), f"{x['shipped_mb']:.1f}", f"{x['load_s']:.2f}",
                      f"{x['install_dst_s']:.2f} / {x['install_src_s']:.2f}",
-                     f"**{x['busiest_s']:.2f}**"))
+                     spread(x, "busiest_s")))
+    repeats = o.get("repeats", 1)
     lines = ["driver = specs + plan-cache lookup + plan + network turns (`-`: the plan keeps "
              "the rotation schedule) + pickling the plan and copying its bytes once (`put`); "
              "busiest process = unpickling the plan (`load`) + the runtime's own "
              "`worker.install` (localize, shard table, compile), each in a fresh process, the "
-             "slower of the busiest destination and the busiest source.", ""]
+             "slower of the busiest destination and the busiest source."
+             + (f" Each figure is the median of {repeats} measurements; [range] is the lowest "
+                f"and highest of them; a goal is judged on the medians." if repeats > 1 else ""),
+             ""]
     lines += _table(head, rows)
     if o["goals"]:
         lines += ["", "Goals:", ""] + _table(["goal", "measured", ""], _goal_rows(o["goals"]))

@@ -1,7 +1,7 @@
 """The executor and the first refit at real-model scale (one process, no cluster).
 
     python -m ray_reshard bench-replay [--model deepseek-v3] [--scale 8] [--repeat 3]
-    python -m ray_reshard bench-first-refit [--models deepseek-v3,qwen3-235b] [--wide 1024]
+    python -m ray_reshard bench-first-refit [--models deepseek-v3,qwen3-235b] [--wide 1] [--repeats 3]
 
 replay: plan the real recipe (Megatron -> vLLM, 8 ranks per NVLink domain), compile the
 programs of the busiest destination rank and the busiest source rank (most network bytes), and
@@ -22,8 +22,10 @@ set. The driver: the recipe's specs, the plan-cache lookup, the plan, its networ
 shipping it once (pickling and copying the bytes, as `ray.put` does); each process, in a fresh
 process of its own: unpickling the plan and the runtime's own `worker.install` (localize, shard
 table, compile), for the real recipes and a 1024 -> 1024 rank layout (`--ranks-per-domain 72`:
-GB200 NVL72 domains instead of 8 GPUs). The goals (DeepSeek-V3 256 -> 256: driver at most
-1.0 s of CPU, busiest install at most 0.3 s; 1024 -> 1024 at most 4x those) print beside them.
+GB200 NVL72 domains instead of 8 GPUs). Each figure is the median of `--repeats` measurements
+(CPU time still moves with what shares the cores). The goals (DeepSeek-V3 256 -> 256: driver at
+most 1.0 s of CPU, busiest install at most 0.3 s; 1024 -> 1024 at most 4x those) print beside
+them, judged on the medians.
 
 replay's `compile s` is the process's own share and program (`build_share` +
 `compile_program`); the network turns, which the driver computes once and ships with the plan,
@@ -35,6 +37,7 @@ import gc
 import json
 import os
 import pickle
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -313,75 +316,117 @@ def _in_fresh_process(path: str, ep: Endpoint, n_src: int, n_dst: int, bucket_by
     return json.loads(out.strip().splitlines()[-1])
 
 
-def first_refit(args) -> dict:
-    """Print the first-refit table and the goals; returns the figures per row."""
+def _cases(models: str, wide: int) -> list:
     cases = []
-    for key in args.models.split(","):
+    for key in models.split(","):
         title, config, layouts = CASES[key]
         cases.append((title, config, layouts[0]))
-    if args.wide:
+    if wide:
         cases.append(WIDE)
+    return cases
+
+
+def first_refit_once(models: str, wide: int, index: int, bucket_mb: int,
+                     ranks_per_domain: int) -> dict:
+    """One measurement of case `index` of `_cases(models, wide)`: the driver's steps, then the
+    busiest destination's and source's load + install, each in a fresh process. Run it in a
+    fresh process too (`_once_in_fresh_process`): the planner's caches would make a second
+    plan of the same layouts in one process cheaper than a driver's first."""
+    title, config, (train, infer) = _cases(models, wide)[index]
+    torch.set_num_threads(1)
+    gc.collect()
+    lookup: list = []        # the driver's plan cache looks a spec set up at every refit
+    specs, p, st, t_specs, t_plan = build(config, train, infer, lookup, ranks_per_domain)
+    t0 = time.process_time()
+    turns = p.network_turns(bucket_mb << 20)      # as the driver does, once
+    t_turns = time.process_time() - t0
+    with gc_paused():
+        t0 = time.process_time()
+        blob = pickle.dumps(p, protocol=5)
+        bytearray(blob)                  # ray.put writes the bytes into the store once
+        t_put = time.process_time() - t0
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "plan.pkl")
+        with open(path, "wb") as f:
+            f.write(blob)
+        got = [_in_fresh_process(path, ep, train.world, infer.world, bucket_mb << 20)
+               for ep in busiest(p)]
+    t0 = time.process_time()                 # a later refit's lookup
+    hash(tuple(specs.items()))
+    lookup.append(time.process_time() - t0)
+    return {"tensors": len(specs), "specs_s": t_specs, "lookup_s": lookup[0], "plan_s": t_plan,
+            "turns_s": t_turns, "turns": turns is not None, "put_s": t_put,
+            "driver_s": t_specs + lookup[0] + t_plan + t_turns + t_put,
+            "shipped_mb": len(blob) / 1e6, "load_s": max(g["load"] for g in got),
+            "install_dst_s": got[0]["install"], "install_src_s": got[1]["install"],
+            "busiest_s": max(g["load"] + g["install"] for g in got), "next_lookup_s": lookup[1]}
+
+
+def _once_in_fresh_process(args, index: int) -> dict:
+    code = ("import json; from ray_reshard.bench.scale import first_refit_once; "
+            f"print(json.dumps(first_refit_once({args.models!r}, {args.wide}, {index}, "
+            f"{args.bucket_mb}, {args.ranks_per_domain})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def first_refit(args) -> dict:
+    """Print the first-refit table and the goals; returns the figures per row: each the
+    median of `args.repeats` measurements, the driver's and the busiest process's with their
+    range, and each goal judged on the medians with in how many repeats it was met."""
+    cases = _cases(args.models, args.wide)
     head = (f"{'model':<18} {'ranks':>11} {'tensors':>7} {'specs s':>7} {'lookup s':>8} "
-            f"{'plan s':>6} {'turns s':>9} {'put s':>6} {'driver s':>8} {'shipped MB':>10} "
-            f"{'load s':>6} {'install s (dst/src)':>19} {'busiest s':>9} {'next lookup s':>13}")
+            f"{'plan s':>6} {'turns s':>9} {'put s':>6} {'driver s':>17} {'shipped MB':>10} "
+            f"{'load s':>6} {'install s (dst/src)':>19} {'busiest s':>17} {'next lookup s':>13}")
     torch.set_num_threads(1)
     print(f"First refit of a spec set, {args.bucket_mb} MiB buckets, {args.ranks_per_domain} "
-          f"ranks per domain, CPU seconds on one thread. driver s = everything the driver does "
-          f"from the recipe to the plan shipped: the recipe's specs() + looking the spec set up "
-          f"in the plan cache + plan + its network turns (-: the plan keeps the rotation "
-          f"schedule; in brackets the time to find that out) + pickling the plan and copying "
-          f"the bytes once (ray.put). Each process (here a fresh process per rank: the busiest "
-          f"destination and the busiest source) unpickles the plan (load) and runs the "
+          f"ranks per domain, CPU seconds on one thread, each the median of {args.repeats} "
+          f"measurements (driver and busiest with their [range]). driver s = everything the "
+          f"driver does from the recipe to the plan shipped: the recipe's specs() + looking the "
+          f"spec set up in the plan cache + plan + its network turns (-: the plan keeps the "
+          f"rotation schedule; in brackets the time to find that out) + pickling the plan and "
+          f"copying the bytes once (ray.put). Each process (here a fresh process per rank: the "
+          f"busiest destination and the busiest source) unpickles the plan (load) and runs the "
           f"runtime's own install (localize, shard table, compile); busiest s = the slower "
           f"one's load + install.")
     print(head)
     print("-" * len(head))
-    rows = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for title, config, (train, infer) in cases:
-            gc.collect()
-            lookup: list = []        # the driver's plan cache looks a spec set up at every refit
-            specs, p, st, t_specs, t_plan = build(config, train, infer, lookup,
-                                                  args.ranks_per_domain)
-            t0 = time.process_time()
-            turns = p.network_turns(args.bucket_mb << 20)      # as the driver does, once
-            t_turns = time.process_time() - t0
-            with gc_paused():
-                t0 = time.process_time()
-                blob = pickle.dumps(p, protocol=5)
-                bytearray(blob)                  # ray.put writes the bytes into the store once
-                t_put = time.process_time() - t0
-            path = os.path.join(tmp, "plan.pkl")
-            with open(path, "wb") as f:
-                f.write(blob)
-            got = [_in_fresh_process(path, ep, train.world, infer.world, args.bucket_mb << 20)
-                   for ep in busiest(p)]
-            t0 = time.process_time()                 # a later refit's lookup
-            hash(tuple(specs.items()))
-            lookup.append(time.process_time() - t0)
-            ranks = f"{train.world}->{infer.world}"
-            driver = t_specs + lookup[0] + t_plan + t_turns + t_put
-            worst = max(g["load"] + g["install"] for g in got)
-            rows[ranks] = {"model": title, "tensors": len(specs), "specs_s": t_specs,
-                           "lookup_s": lookup[0], "plan_s": t_plan, "turns_s": t_turns,
-                           "turns": turns is not None, "put_s": t_put, "driver_s": driver,
-                           "shipped_mb": len(blob) / 1e6,
-                           "load_s": max(g["load"] for g in got),
-                           "install_dst_s": got[0]["install"], "install_src_s": got[1]["install"],
-                           "busiest_s": worst, "next_lookup_s": lookup[1]}
-            turns_s = f"{t_turns:.2f}" if turns is not None else f"- ({t_turns:.2f})"
-            print(f"{title:<18} {ranks:>11} {len(specs):>7} {t_specs:>7.2f} {lookup[0]:>8.2f} "
-                  f"{t_plan:>6.2f} {turns_s:>9} {t_put:>6.2f} {driver:>8.2f} "
-                  f"{len(blob) / 1e6:>10.1f} {rows[ranks]['load_s']:>6.2f} "
-                  f"{got[0]['install']:>9.2f} / {got[1]['install']:<7.2f} {worst:>9.2f} "
-                  f"{lookup[1]:>13.2f}", flush=True)
-            del specs, p, blob
+    rows, per_repeat = {}, [{} for _ in range(args.repeats)]
+    for index, (title, _, (train, infer)) in enumerate(cases):
+        ranks = f"{train.world}->{infer.world}"
+        runs = [_once_in_fresh_process(args, index) for _ in range(args.repeats)]
+        for k, one in enumerate(runs):
+            per_repeat[k][ranks] = dict(one, model=title)
+        row = {"model": title, "repeats": len(runs)}
+        for key, first in runs[0].items():
+            row[key] = first if isinstance(first, bool) else \
+                statistics.median(one[key] for one in runs)
+        for key in ("driver_s", "busiest_s"):
+            row[key + "_range"] = [min(one[key] for one in runs),
+                                   max(one[key] for one in runs)]
+        rows[ranks] = row
+        turns_s = f"{row['turns_s']:.2f}" if row["turns"] else f"- ({row['turns_s']:.2f})"
+        spread = lambda key: (f"{row[key]:.2f} [{row[key + '_range'][0]:.2f}-"
+                              f"{row[key + '_range'][1]:.2f}]")
+        print(f"{title:<18} {ranks:>11} {row['tensors']:>7.0f} {row['specs_s']:>7.2f} "
+              f"{row['lookup_s']:>8.2f} {row['plan_s']:>6.2f} {turns_s:>9} "
+              f"{row['put_s']:>6.2f} {spread('driver_s'):>17} {row['shipped_mb']:>10.1f} "
+              f"{row['load_s']:>6.2f} {row['install_dst_s']:>9.2f} / "
+              f"{row['install_src_s']:<7.2f} {spread('busiest_s'):>17} "
+              f"{row['next_lookup_s']:>13.2f}", flush=True)
     goals = first_refit_goals(rows)
+    each = [first_refit_goals(r) for r in per_repeat]
+    for i, g in enumerate(goals):
+        values = [e[i]["measured"] for e in each]
+        g.update(low=min(values), high=max(values), runs=len(each),
+                 runs_met=sum(e[i]["met"] for e in each))
     if goals:
-        print("\ngoals:")
+        print("\ngoals (on the medians; [range] over the repeats):")
         for g in goals:
-            print(f"  {g['goal']:<58} {g['measured']:6.2f}  {'met' if g['met'] else 'NOT met'}")
-    return {"rows": rows, "goals": goals}
+            print(f"  {g['goal']:<58} {g['measured']:6.2f} [{g['low']:.2f}-{g['high']:.2f}]  "
+                  f"{'met' if g['met'] else 'NOT met'} ({g['runs_met']} of {g['runs']})")
+    return {"rows": rows, "goals": goals, "repeats": args.repeats}
 
 
 def first_refit_goals(rows: dict) -> list:
@@ -419,6 +464,8 @@ def main(argv=None, cmd: str = "replay") -> int:
     else:
         ap.add_argument("--models", default="deepseek-v3,qwen3-235b")
         ap.add_argument("--wide", type=int, default=1, help="also the 1024 -> 1024 layout (0: no)")
+        ap.add_argument("--repeats", type=int, default=3,
+                        help="measurements per case (each figure their median)")
         ap.add_argument("--ranks-per-domain", type=int, default=RANKS_PER_DOMAIN,
                         help="GPUs per NVLink domain (72: GB200 NVL72)")
         ap.add_argument("--json", metavar="PATH", type=output_file,

@@ -48,6 +48,21 @@ def test_goals_say_met_or_not_from_the_medians():
     assert "**not met**" in page and "| met |" in page and "not run" in page
 
 
+def test_first_refit_page_shows_medians_with_their_range():
+    row = {"model": "M", "tensors": 10.0, "specs_s": 0.4, "lookup_s": 0.01, "plan_s": 0.1,
+           "turns_s": 0.0, "turns": False, "put_s": 0.05, "driver_s": 0.56,
+           "driver_s_range": [0.5, 0.7], "shipped_mb": 1.0, "load_s": 0.01,
+           "install_dst_s": 0.2, "install_src_s": 0.1, "busiest_s": 0.21,
+           "busiest_s_range": [0.2, 0.31]}
+    goal = {"goal": "busiest install s <= 0.3", "measured": 0.21, "met": True, "low": 0.2,
+            "high": 0.31, "runs": 3, "runs_met": 2}
+    page = "\n".join(report.render_first_refit({"json": {"rows": {"8->8": row},
+                                                         "goals": [goal], "repeats": 3}}))
+    assert "| **0.56** [0.50-0.70] |" in page and "| **0.21** [0.20-0.31] |" in page
+    assert "median of 3 measurements" in page
+    assert "| 0.21 [0.20-0.31] | met (2 of 3 runs) |" in page
+
+
 def _run_out(row):
     return {"mb": 1, "repeats": 5, "bucket_mb": 16, "layout": "L", "machine": {},
             "store_bytes_per_node": {"node0": MiB}, "rdt": "not run: x",
@@ -133,7 +148,8 @@ def test_report_small_writes_the_page(tmp_path):
     assert re.search(r"\| 32 x 128x1024 \| [0-9.]+ \[[0-9.]+-[0-9.]+\]", page)
     assert re.search(r"reshard >= 2x the object store, 32 tensors \| [0-9.]+ \[[0-9.]+-[0-9.]+\] "
                      r"\| (met|\*\*not met\*\*) \(\d of 2 runs\)", page)
-    assert re.search(r"\| Qwen3-235B-A22B \| 128->128 \| \d+ \|", page)
+    assert re.search(r"\| Qwen3-235B-A22B \| 128->128 \| \d+ \|.*\*\*[0-9.]+\*\* "
+                     r"\[[0-9.]+-[0-9.]+\] \|$", page, re.M)
     assert "bound from the layouts alone" in page and "| assumed |" in page
     assert "3.2-3.3 s" in page and "All predictions." in page
     assert re.search(r"\d of \d reshard predictions within 25% \(median over the runs\)", page)
