@@ -306,11 +306,10 @@ def actor_step(path: str, side: str, rank: int, n_src: int, n_dst: int,
     return {"load": t_load, "install": t_install}
 
 
-def _in_fresh_process(path: str, ep: Endpoint, n_src: int, n_dst: int, bucket_bytes: int) -> dict:
-    """`actor_step` in a new Python process, which holds nothing but the plan (as an actor)."""
-    code = ("import json, sys; from ray_reshard.bench.scale import actor_step; "
-            f"print(json.dumps(actor_step({path!r}, {ep.side!r}, {ep.rank}, {n_src}, {n_dst}, "
-            f"{bucket_bytes})))")
+def _in_fresh_process(name: str, *args) -> dict:
+    """This module's function `name`(*args) in a new Python process; its JSON result."""
+    code = (f"import json; from ray_reshard.bench.scale import {name}; "
+            f"print(json.dumps({name}{args!r}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -330,7 +329,7 @@ def first_refit_once(models: str, wide: int, index: int, bucket_mb: int,
                      ranks_per_domain: int) -> dict:
     """One measurement of case `index` of `_cases(models, wide)`: the driver's steps, then the
     busiest destination's and source's load + install, each in a fresh process. Run it in a
-    fresh process too (`_once_in_fresh_process`): the planner's caches would make a second
+    fresh process too (`_in_fresh_process`): the planner's caches would make a second
     plan of the same layouts in one process cheaper than a driver's first."""
     title, config, (train, infer) = _cases(models, wide)[index]
     torch.set_num_threads(1)
@@ -349,8 +348,9 @@ def first_refit_once(models: str, wide: int, index: int, bucket_mb: int,
         path = os.path.join(tmp, "plan.pkl")
         with open(path, "wb") as f:
             f.write(blob)
-        got = [_in_fresh_process(path, ep, train.world, infer.world, bucket_mb << 20)
-               for ep in busiest(p)]
+        # each process holds nothing but the plan, as an actor
+        got = [_in_fresh_process("actor_step", path, ep.side, ep.rank, train.world,
+                                 infer.world, bucket_mb << 20) for ep in busiest(p)]
     t0 = time.process_time()                 # a later refit's lookup
     hash(tuple(specs.items()))
     lookup.append(time.process_time() - t0)
@@ -360,15 +360,6 @@ def first_refit_once(models: str, wide: int, index: int, bucket_mb: int,
             "shipped_mb": len(blob) / 1e6, "load_s": max(g["load"] for g in got),
             "install_dst_s": got[0]["install"], "install_src_s": got[1]["install"],
             "busiest_s": max(g["load"] + g["install"] for g in got), "next_lookup_s": lookup[1]}
-
-
-def _once_in_fresh_process(args, index: int) -> dict:
-    code = ("import json; from ray_reshard.bench.scale import first_refit_once; "
-            f"print(json.dumps(first_refit_once({args.models!r}, {args.wide}, {index}, "
-            f"{args.bucket_mb}, {args.ranks_per_domain})))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
 
 
 def first_refit(args) -> dict:
@@ -395,7 +386,9 @@ def first_refit(args) -> dict:
     rows, per_repeat = {}, [{} for _ in range(args.repeats)]
     for index, (title, _, (train, infer)) in enumerate(cases):
         ranks = f"{train.world}->{infer.world}"
-        runs = [_once_in_fresh_process(args, index) for _ in range(args.repeats)]
+        runs = [_in_fresh_process("first_refit_once", args.models, args.wide, index,
+                                  args.bucket_mb, args.ranks_per_domain)
+                for _ in range(args.repeats)]
         for k, one in enumerate(runs):
             per_repeat[k][ranks] = dict(one, model=title)
         row = {"model": title, "repeats": len(runs)}
