@@ -169,11 +169,13 @@ PRESETS = {
     # This machine's two simulated nodes (every rank shares 2 CPU cores): gloo over loopback as
     # the network, shared-memory rings as the domain links (their rate without the copies,
     # which are CPU work). Figures measured by
-    # `python -m ray_reshard.bench.sim_calibrate` (see README); rerun it to refresh them.
-    "local": Cluster("local", 4, 11.87 * GB, 1.81 * GB, latency_s=187e-6, ring_latency_s=102e-6,
-                     item_s=0.6e-6, tensor_s=2.3e-6, message_s=20.3e-6, fabric_Bps=3.50 * GB,
-                     domain_fabric_Bps=11.87 * GB, refit_overhead_s=7.4e-3, copy_Bps=7.71 * GB,
-                     contig_copy_Bps=16.01 * GB, cpu_cores=2, broadcast="flat",
+    # `python -m ray_reshard.bench.sim_calibrate` (see README), each the median of its three
+    # runs' (single-copy rings, items of 128 KiB and more as their own messages); rerun it to
+    # refresh them.
+    "local": Cluster("local", 4, 10.31 * GB, 1.4 * GB, latency_s=249e-6, ring_latency_s=422e-6,
+                     item_s=1.6e-6, tensor_s=1.6e-6, message_s=28.5e-6, fabric_Bps=2.65 * GB,
+                     domain_fabric_Bps=10.31 * GB, refit_overhead_s=13.6e-3, copy_Bps=7.5 * GB,
+                     contig_copy_Bps=12.5 * GB, cpu_cores=2, broadcast="flat",
                      per_item_min_bytes=PER_ITEM_MIN_BYTES, single_copy_rings=True,
                      delta_encode_Bps=MEASURED_DELTA_ENCODE_BPS,
                      delta_decode_Bps=MEASURED_DELTA_DECODE_BPS),
