@@ -49,8 +49,10 @@ SEND, RECV, COPY = "send", "recv", "copy"
 # Network buckets whose items are all at least this large travel as one message per item, on
 # CPU tensors (a message costs less than copying such an item into a staging buffer and out of
 # one). Over gloo on a loaded host, 64 KiB items moved faster packed and 128 KiB items as their
-# own messages (`python -m ray_reshard bench-peers` moves both sizes). On GPUs a device copy
-# costs far less than a message, so buckets always travel packed (threshold None).
+# own messages (`python -m ray_reshard bench-peers --counts 512,1024` moves both sizes through
+# the executor; comparing the two formats means running it with this threshold changed). On
+# GPUs a device copy costs far less than a message, so buckets always travel packed (threshold
+# None).
 PER_ITEM_MIN_BYTES = 128 << 10
 
 
