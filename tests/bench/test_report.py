@@ -159,3 +159,61 @@ def test_report_small_writes_the_page(tmp_path):
                     str(tmp_path / "raw"), "--out", str(again)], cwd=ROOT, check=True,
                    capture_output=True, timeout=120)
     assert again.read_text() == page
+    # --check reruns a section and sets its figures beside the kept ones' stated spread
+    p = subprocess.run([sys.executable, "-m", "ray_reshard.bench.report", "--check", "--small",
+                        "--sections", "peers", "--against", str(tmp_path / "raw"), "--keep",
+                        str(tmp_path / "fresh")], cwd=ROOT, capture_output=True, text=True,
+                       timeout=900)
+    m = re.search(r"(\d+) of (\d+) figures inside the page's stated range", p.stdout)
+    assert m and int(m[2]) == 4, p.stdout[-3000:] + p.stderr[-3000:]    # 2 goals x 2 counts
+    assert p.returncode == (0 if m[1] == m[2] else 1)
+    assert (tmp_path / "fresh" / "peers.out.json").exists()
+    assert again.read_text() == page          # nothing written to the page
+
+
+def _kept(name):
+    import json
+
+    with open(os.path.join(report.RESULTS, f"{name}.out.json")) as f:
+        return json.load(f)
+
+
+def test_the_page_is_what_its_kept_outputs_render():
+    """docs/benchmarks.md is exactly the rendering of docs/benchmark-results: no figure on the
+    page can drift from the command outputs it was made from."""
+    import json
+
+    with open(os.path.join(report.RESULTS, "meta.json")) as f:
+        meta = json.load(f)
+    results = {n: _kept(n) for n in report.SECTIONS}
+    page = report.render(results, meta["small"], meta["facts"], meta["commit"])
+    with open(report.PAGE) as f:
+        assert f.read() == page + "\n"
+
+
+def test_check_compares_a_fresh_run_with_the_pages_stated_spread():
+    import copy
+
+    page = _kept("peers")
+    figures = report.stated_figures("peers", page)
+    assert len(figures) == 2 * len(page["json"]["counts"])      # two goals per count
+    assert all(f["low"] <= f["median"] <= f["high"] for f in figures)
+    same = report.compare("peers", page, page)
+    assert all(x["inside"] and x["same_verdict"] for x in same)
+    fresh = copy.deepcopy(page)
+    moved = fresh["json"]["goals"][0]
+    moved["measured"] = moved["high"] + 0.5
+    moved["met"] = not moved["met"]
+    rows = report.compare("peers", page, fresh)
+    assert [x["inside"] for x in rows].count(False) == 1 and not rows[0]["inside"]
+    assert not rows[0]["same_verdict"]
+    text = "\n".join(report.check_text(rows, "run at x"))
+    assert "| **no** | **changed** |" in text
+    assert f"{len(rows) - 1} of {len(rows)} figures inside the page's stated range." in text
+    # a figure this run does not state counts as outside
+    del fresh["json"]["goals"][1]
+    assert report.compare("peers", page, fresh)[1]["now"] is None
+    # calibration ratios and first-refit goals are stated with their spread too
+    assert report.stated_figures("calibrate", _kept("calibrate"))
+    assert report.stated_figures("first-refit", _kept("first-refit"))
+    assert report.stated_figures("replay", _kept("replay")) == []   # one measurement: none
