@@ -159,7 +159,8 @@ def run(args, variants: Optional[dict] = None) -> dict:
     mode = args.mode
     if mode == "auto":
         mode = "exact" if p.stats.n_moves <= EXACT_MAX_MOVES else "aggregate"
-    msgs = (messages_exact if mode == "exact" else messages_aggregate)(p, bucket)
+    msgs = (messages_exact if mode == "exact" else messages_aggregate)(
+        p, bucket, cl.per_item_min_bytes)
     again = lambda c: replay(p, msgs, c, bucket, None, args.window, args.ring_recv).predicted_s
     res = replay(p, msgs, cl, bucket, timeline, args.window, args.ring_recv)
     predicted = {name: again(cl.with_(**changes)) for name, changes in (variants or {}).items()}

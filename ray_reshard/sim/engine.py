@@ -63,12 +63,13 @@ Two ways to get the buckets: `exact` walks `Plan.schedule(bucket_bytes).transfer
 the executor runs); `aggregate` sums each (sender, receiver, path) pair's bytes, items and
 copies from the plan's moves and cuts them into as many about equal buckets as the schedule
 does, at the schedule's turns (`Plan.network_turns`) and in its key order, which avoids
-building the schedule (millions of items at DeepSeek-V3 scale). A forwarded (source,
-forwarder, target) total fills its share of the network pair's turns (all of them where the
-target takes everything the pair brings); per
-(forwarder, target, segment) the totals are merged and cut into buckets placed as
-`plan.forward_key` places them, and a forward waits for all of its forwarder's groups of the
-earlier segments.
+building the schedule (millions of items at DeepSeek-V3 scale). Both take the cluster's
+`per_item_min_bytes`, which marks the network buckets that travel as one message per item
+(their contiguous ends copy nothing); `replay` refuses buckets built with another. A
+forwarded (source, forwarder, target) total fills its share of the network pair's turns (all
+of them where the target takes everything the pair brings); per (forwarder, target, segment)
+the totals are merged and cut into buckets placed as `plan.forward_key` places them, and a
+forward waits for all of its forwarder's groups of the earlier segments.
 
 The bound is what no schedule can beat on this plan: the busiest NIC's bytes over its
 bandwidth, the same for NVLink, and the fabrics' caps. `balanced_bound_s` is the network lower
@@ -88,7 +89,6 @@ from typing import Optional
 
 import numpy as np
 
-from ..execution.program import PER_ITEM_MIN_BYTES
 from ..planning.plan import (DEFAULT_BUCKET_BYTES, MAX_WINDOW, Plan, bucket_keys, default_window,
                              forward_key, forward_segment, group_span, is_forward_key, parent_key,
                              segment_rotations)
@@ -113,6 +113,8 @@ class Messages:
     aggregate replay). Copied bytes per end: `strided_*` out of or into a strided region of the
     local shard, `contig_*` a contiguous one; the rest of a bucket's bytes move in place when
     `per_item` (a network bucket whose items all travel as their own messages on CPU).
+    `per_item_min_bytes` is the threshold these rows were built with (see `messages_exact`);
+    `replay` takes them only on a cluster with the same one.
     """
 
     round: np.ndarray
@@ -136,17 +138,13 @@ class Messages:
     # bucket packed at both ends), and `nbytes` is the payload.
     encode_bytes: Optional[np.ndarray] = None
     decode_bytes: Optional[np.ndarray] = None
-
-
-# Network items at least this large travel as their own messages on CPU devices (the
-# executor's wire format), in place when contiguous; smaller ones, strided ones and every
-# domain (ring) transfer are copied.
-IN_PLACE_MIN_BYTES = PER_ITEM_MIN_BYTES
+    per_item_min_bytes: Optional[int] = None
 
 
 class _Staging:
-    """How each end of an item moves its bytes: in place, or copied from/to a strided or a
-    contiguous region of its local shard."""
+    """What each end of an item copies where its bucket is packed: from/to a strided or a
+    contiguous region of its local shard. In a bucket whose items travel as their own messages
+    the contiguous ends copy nothing (see `_in_place`)."""
 
     def __init__(self, plan: Plan):
         self.plan = plan
@@ -171,15 +169,20 @@ class _Staging:
                 return all(sizes[j] == full[j] for j in range(i + 1, len(sizes)))
         return True
 
-    def __call__(self, ti: int, box, nbytes: int, src_side: str, src_rank: int, dst_rank: int,
-                 path_code: int) -> tuple[int, int, int, int]:
+    def __call__(self, ti: int, box, nbytes: int, src_side: str, src_rank: int,
+                 dst_rank: int) -> tuple[int, int, int, int]:
         """(strided sent, contiguous sent, strided received, contiguous received) bytes copied."""
         cs = self._contiguous(box, self._holder(ti, src_side, src_rank))
         cr = self._contiguous(box, self._holder(ti, "dst", dst_rank))
-        in_place = path_code == 0 and nbytes >= IN_PLACE_MIN_BYTES
-        s = (0, 0) if in_place and cs else ((0, nbytes) if cs else (nbytes, 0))
-        r = (0, 0) if in_place and cr else ((0, nbytes) if cr else (nbytes, 0))
-        return s[0], s[1], r[0], r[1]
+        return (0 if cs else nbytes, nbytes if cs else 0, 0 if cr else nbytes,
+                nbytes if cr else 0)
+
+
+def _in_place(code: int, smallest: int, min_bytes: Optional[int]) -> bool:
+    """Whether a bucket's items travel as their own messages, each contiguous end sending from
+    or receiving into its region in place (the executor's `per_item`): a network bucket whose
+    smallest item has at least `min_bytes` (None: never)."""
+    return code == PATH_CODE[NETWORK] and min_bytes is not None and smallest >= min_bytes
 
 
 @dataclass
@@ -224,8 +227,20 @@ def _gpu(plan: Plan):
     return n_src, n_src + plan.topology.n_dst
 
 
-def messages_exact(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Messages:
-    """The schedule's buckets, as the executor runs them."""
+def _check_threshold(per_item_min_bytes) -> None:
+    if per_item_min_bytes is not None and (isinstance(per_item_min_bytes, bool)
+                                           or not isinstance(per_item_min_bytes, int)
+                                           or per_item_min_bytes < 1):
+        raise ValueError(f"per_item_min_bytes must be a positive int or None (every bucket "
+                         f"packed), got {per_item_min_bytes!r}")
+
+
+def messages_exact(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                   per_item_min_bytes: Optional[int] = None) -> Messages:
+    """The schedule's buckets, as the executor runs them on a cluster whose network items of
+    at least `per_item_min_bytes` travel as their own messages (`Cluster.per_item_min_bytes`;
+    None: every bucket packed, as on GPUs)."""
+    _check_threshold(per_item_min_bytes)
     n_src, _ = _gpu(plan)
     ts = plan.schedule(bucket_bytes).transfers
     n = len(ts)
@@ -246,21 +261,23 @@ def messages_exact(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Mess
         nb[i] = t.nbytes
         it[i] = len(t.items)
         acc = [0, 0, 0, 0]
-        smallest = None
+        smallest = 1 << 62
         itemsize[i] = min(isz[item.tensor] for item in t.items)
         for item in t.items:
             nbytes = item.box.numel * isz[item.tensor]
-            smallest = nbytes if smallest is None else min(smallest, nbytes)
+            smallest = min(smallest, nbytes)
             for j, v in enumerate(staging(item.tensor, item.box, nbytes, t.src.side,
-                                          t.src.rank, t.dst, code)):
+                                          t.src.rank, t.dst)):
                 acc[j] += v
+        per_item[i] = _in_place(code, smallest, per_item_min_bytes)
+        if per_item[i]:
+            acc[1] = acc[3] = 0
         ss[i], cs[i], sr[i], cr[i] = acc
-        per_item[i] = code == 0 and smallest is not None and smallest >= IN_PLACE_MIN_BYTES
         if code == 0:
             row_of[t.key] = i
         parent[i] = row_of.get(parent_key(t), -1) if order[i] == FORWARD_ORDER else -1
     return Messages(rnd, order, snd, rcv, pth, nb, it, ss, sr, cs, cr, per_item, parent, "exact",
-                    slot, itemsize)
+                    slot, itemsize, per_item_min_bytes=per_item_min_bytes)
 
 
 def _share_of(total: int, n: int, k: int) -> int:
@@ -269,13 +286,16 @@ def _share_of(total: int, n: int, k: int) -> int:
     return total * (k + 1) // n - total * k // n
 
 
-def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Messages:
+def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                       per_item_min_bytes: Optional[int] = None) -> Messages:
     """Per (sender, receiver, path) byte and item totals cut into buckets of at most
     bucket_bytes, in the schedule's key order: a network pair's bytes in as many about equal
     buckets as the schedule cuts (others ceil(total / bucket_bytes)), its k-th at its k-th turn
     (`Plan.network_turns`; others in round k); what a forwarder passes on to one target out of
     a segment of a round (each network pair's forwarded bytes placed in that pair's turns)
-    merged and cut into buckets placed as `plan.forward_key` places them."""
+    merged and cut into buckets placed as `plan.forward_key` places them. `per_item_min_bytes`:
+    as in `messages_exact`."""
+    _check_threshold(per_item_min_bytes)
     n_src, world = _gpu(plan)
     n_dst = world - n_src
     staging = _Staging(plan)
@@ -295,7 +315,7 @@ def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
             code = PATH_CODE[m.path]
             e = per[(s, n_src + m.dst, code, parent)]
             nbytes = m.box.numel * isz
-            a = staging(ti, m.box, nbytes, m.src.side, m.src.rank, m.dst, code)
+            a = staging(ti, m.box, nbytes, m.src.side, m.src.rank, m.dst)
             e[0] += nbytes
             e[1] += 1
             e[2] += a[0]
@@ -345,9 +365,12 @@ def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
             nb = _share_of(tot, n, k)
             share = nb / max(1, tot)
             it = max(1, items // n + (k < items % n))
-            rows.append((keys[k], snd, rcv, code, nb, it,
-                         *(int(v[j] * share) for j in (2, 3, 4, 5)),
-                         code == 0 and v[6] >= IN_PLACE_MIN_BYTES, v[7]))
+            # all of a pair's buckets travel per item where its smallest move reaches the
+            # threshold, else all are packed (the schedule's own buckets may differ)
+            packed = not _in_place(code, v[6], per_item_min_bytes)
+            rows.append((keys[k], snd, rcv, code, nb, it, int(v[2] * share),
+                         int(v[3] * share) if packed else 0, int(v[4] * share),
+                         int(v[5] * share) if packed else 0, not packed, v[7]))
     for (f, t, code, k, seg), v in fwd.items():
         tot = int(round(v[0]))
         n = max(1, -(-tot // bucket_bytes))
@@ -369,7 +392,8 @@ def messages_aggregate(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
                     np.where(fwd_row, FORWARD_ORDER, path), col(1), col(2), path, col(4),
                     col(5), col(6), col(8), col(7), col(9), col(10, bool),
                     np.full(n, -1, dtype=np.int64), "aggregate",
-                    np.fromiter((k[2] for k in keys), dtype=np.int64, count=n), col(11))
+                    np.fromiter((k[2] for k in keys), dtype=np.int64, count=n), col(11),
+                    per_item_min_bytes=per_item_min_bytes)
 
 
 def simulate(plan: Plan, cluster: Cluster, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -397,7 +421,8 @@ def simulate(plan: Plan, cluster: Cluster, bucket_bytes: int = DEFAULT_BUCKET_BY
                          f"got {ring_recv!r}")
     if mode == "auto":
         mode = "exact" if plan.stats.n_moves <= exact_max_moves else "aggregate"
-    msgs = (messages_exact if mode == "exact" else messages_aggregate)(plan, bucket_bytes)
+    msgs = (messages_exact if mode == "exact" else messages_aggregate)(
+        plan, bucket_bytes, cluster.per_item_min_bytes)
     return replay(plan, msgs, cluster, bucket_bytes, timeline_rank, window, ring_recv)
 
 
@@ -465,14 +490,9 @@ def _link_names(n_src: int, world: int) -> list[str]:
 
 def _work(msgs: Messages, cluster: Cluster) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per bucket: the host's step at either end (per item, per message, per bucket end), and
-    the copy seconds at its sender and at its receiver (on a device without per-item messages
-    every network byte is staged, contiguous or not)."""
+    the copy seconds at its sender and at its receiver."""
     ss, cs = msgs.strided_send.astype(np.float64), msgs.contig_send.astype(np.float64)
     sr, cr = msgs.strided_recv.astype(np.float64), msgs.contig_recv.astype(np.float64)
-    if cluster.per_item_min_bytes is None and msgs.encode_bytes is None:
-        net = msgs.path == PATH_CODE[NETWORK]
-        cs = np.where(net, msgs.nbytes - ss, cs)
-        cr = np.where(net, msgs.nbytes - sr, cr)
     if cluster.single_copy_rings:
         # a ring bucket whose sender regions are all contiguous is read by its receiver
         # straight out of the sender's memory: the sender copies nothing, and a receiver
@@ -481,7 +501,7 @@ def _work(msgs: Messages, cluster: Cluster) -> tuple[np.ndarray, np.ndarray, np.
         cs = np.where(listed, 0.0, cs)
         cr = np.where(listed, cr + sr, cr)
     base = cluster.step_s + (0.0 if cluster.copy_tables else msgs.items * cluster.item_s)
-    if cluster.per_item_min_bytes is not None and cluster.message_s:
+    if cluster.message_s:
         base = base + np.where(msgs.per_item, msgs.items * cluster.message_s, 0.0)
     base = np.broadcast_to(np.asarray(base, dtype=np.float64), msgs.nbytes.shape)
     send = ss / cluster.copy_Bps + cs / cluster.contig_copy_Bps
@@ -495,6 +515,14 @@ def _work(msgs: Messages, cluster: Cluster) -> tuple[np.ndarray, np.ndarray, np.
 def replay(plan: Plan, msgs: Messages, cluster: Cluster, bucket_bytes: int,
            timeline_rank: Optional[tuple] = None, window: Optional[int] = None,
            ring_recv: str = "runs") -> SimResult:
+    """Replay `msgs` (built with the cluster's `per_item_min_bytes`) on `cluster`; the
+    arguments as in `simulate`."""
+    if msgs.per_item_min_bytes != cluster.per_item_min_bytes:
+        raise ValueError(
+            f"these messages were built with per_item_min_bytes={msgs.per_item_min_bytes!r}, "
+            f"cluster {cluster.name!r} has {cluster.per_item_min_bytes!r}: build them with "
+            f"messages_exact/messages_aggregate(plan, bucket_bytes, "
+            f"cluster.per_item_min_bytes)")
     n_src, world = _gpu(plan)
     st = plan.stats
     W = window or default_window(bucket_bytes)
@@ -581,7 +609,7 @@ def _in_run_order(msgs: Messages, span: int) -> Messages:
     cols.update({f: getattr(msgs, f)[o] for f in ("itemsize", "encode_bytes", "decode_bytes")
                  if getattr(msgs, f) is not None})
     return Messages(parent=np.where(par >= 0, inv[np.maximum(par, 0)], -1), mode=msgs.mode,
-                    **cols)
+                    per_item_min_bytes=msgs.per_item_min_bytes, **cols)
 
 
 class Link:
@@ -642,7 +670,6 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, base
     last end, [NIC out, NIC in, NVLink out, NVLink in] bytes, CPU work, link seconds)."""
     span = group_span(W, max(n_src, world - n_src))
     max_msgs = 4 * W
-    packed_only = cluster.per_item_min_bytes is None
     nic, nvl, lat = cluster.nic_Bps, cluster.nvlink_Bps, cluster.latency_s
     ring_lat = cluster.ring_latency_s
     overlap = cluster.host_overlap
@@ -660,7 +687,7 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, base
     items, parent = msgs.items.tolist(), msgs.parent.tolist()
     slot = msgs.slot.tolist() if msgs.slot is not None else [0] * len(rnd)
     n_dst = world - n_src
-    per_item = [False] * len(rnd) if packed_only else msgs.per_item.tolist()
+    per_item = msgs.per_item.tolist()
     staged_s = (msgs.strided_send + msgs.contig_send).tolist()
     staged_r = (msgs.strided_recv + msgs.contig_recv).tolist()
     bs, sc, rc = base.tolist(), send_copy.tolist(), recv_copy.tolist()

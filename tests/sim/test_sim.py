@@ -10,8 +10,8 @@ import torch
 
 import ray_reshard as rr
 from ray_reshard.execution.program import PER_ITEM_MIN_BYTES
-from ray_reshard.sim import (Cluster, gather_broadcast_seconds, messages_exact, preset,
-                             simulate)
+from ray_reshard.sim import (Cluster, gather_broadcast_seconds, messages_aggregate,
+                             messages_exact, preset, replay, simulate)
 from ray_reshard.sim.cli import main as cli_main
 
 GB = 1e9
@@ -311,6 +311,55 @@ def test_message_cost_only_for_items_sent_as_their_own():
         simulate(p, BARE, 8 << 20).predicted_s)
 
 
+def _eight_items(kib=256):
+    """Eight contiguous `kib` KiB network items, one pair (all in one bucket of 1 GiB)."""
+    lay = rr.Layout.replicated([0])
+    specs = {f"w{i}": rr.TensorSpec((kib, 256), torch.float32, src=lay, dst=lay)
+             for i in range(8)}
+    return rr.plan(specs, ["a"], ["b"])
+
+
+@pytest.mark.parametrize("build", [messages_exact, messages_aggregate])
+def test_in_place_follows_the_clusters_threshold(build):
+    """Which network items travel as their own messages, in place, is the cluster's
+    `per_item_min_bytes`: the same plan on the local preset (128 KiB) sends its eight
+    256 KiB items as eight messages without copies; with a threshold above every item it
+    packs them into one message and charges both ends' staging copies."""
+    p = _eight_items()
+    bucket, nbytes = 1 << 30, 8 * (256 << 10)
+    local = preset("local")
+    above = local.with_(per_item_min_bytes=1 << 20)
+    for cl, per_item in ((local, True), (local.with_(per_item_min_bytes=1), True),
+                         (above, False)):
+        m = build(p, bucket, cl.per_item_min_bytes)
+        net = m.path == 0
+        assert m.per_item_min_bytes == cl.per_item_min_bytes
+        assert int(m.nbytes[net].sum()) == nbytes and m.per_item[net].all() == per_item
+        wire = np.where(m.per_item, m.items, 1)[net].sum()
+        assert wire == (8 if per_item else net.sum())
+        copied = (m.strided_send + m.contig_send + m.strided_recv + m.contig_recv)[net].sum()
+        assert copied == (0 if per_item else 2 * nbytes)
+    # the replay charges what the messages say: copies instead of a message per item per end
+    mode = "exact" if build is messages_exact else "aggregate"
+    res_in, res_packed = (simulate(p, cl, bucket, mode) for cl in (local, above))
+    assert res_packed.cpu_s - res_in.cpu_s == pytest.approx(
+        nbytes / local.contig_copy_Bps - 8 * local.message_s)
+    bare = BARE.with_(contig_copy_Bps=1 * GB, message_s=1e-3)
+    by_item = simulate(p, bare.with_(per_item_min_bytes=1), bucket, mode).predicted_s
+    packed = simulate(p, bare.with_(per_item_min_bytes=1 << 20), bucket, mode).predicted_s
+    assert packed - by_item == pytest.approx(2 * nbytes / GB - 2 * 8 * 1e-3)
+    assert simulate(p, bare, bucket, mode).predicted_s == pytest.approx(packed)
+
+
+def test_replay_refuses_messages_of_another_threshold():
+    p = _eight_items()
+    msgs = messages_exact(p, 1 << 30)                   # packed: no threshold
+    with pytest.raises(ValueError, match="per_item_min_bytes=None.*131072"):
+        replay(p, msgs, preset("local"), 1 << 30)
+    with pytest.raises(ValueError, match="per_item_min_bytes must be a positive int"):
+        messages_exact(p, 1 << 30, 0)
+
+
 def test_ring_receive_orders():
     """The executor's runs of ring steps (take what is ready first) never hold a receiver up
     longer than taking ring buckets strictly in key order, nor beat taking them whenever they
@@ -425,7 +474,6 @@ def test_delta_bytes_are_the_codecs_sizes_per_network_bucket(fraction):
     from ray_reshard.execution.delta import expected_bytes
     from ray_reshard.plan_report import delta_prediction
     from ray_reshard.sim.delta import delta_messages
-    from ray_reshard.sim.engine import messages_aggregate
 
     p = _bf16_forwarding_plan()
     bucket = 1 << 20
