@@ -20,6 +20,11 @@ On a local two-node Ray cluster (4 source actors on node A, 4 destination actors
 Every figure, constants included, is a median of `--repeats` runs (3 by default) after a
 warm-up, so a neighbour's burst on a shared machine moves the figures less than a best-of or a
 single run would.
+
+`--json PATH` writes the figures too: its "constants" ({Cluster field: the median over the
+runs of that fitted constant}) and "settings" (the other fields the run sets) are what the
+`local` preset in `ray_reshard/sim/cluster.py` is copied from; each run's own, and the figures
+they are fitted to ("measured"), are under "per_run".
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ import ray
 import torch
 
 import ray_reshard as rr
-from ray_reshard.cli_args import Parser
+from ray_reshard.cli_args import Parser, output_file
 from ray_reshard.execution.program import PER_ITEM_MIN_BYTES
 from ray_reshard.sim import Cluster, gather_broadcast_seconds, simulate
 from ray_reshard.testing import holders, local_cluster
@@ -63,20 +68,22 @@ def _fill(actors, specs, side: str):
     return full
 
 
-def _timed_refits(group, specs, repeats: int) -> list:
-    """Seconds of `repeats` refits after a warm-up."""
+def _timed_refits(group, specs, repeats: int) -> tuple[list, object]:
+    """Seconds of `repeats` refits after a warm-up, and the last refit's result."""
     group.refit(specs)                               # installs programs, rings
     runs = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        group.refit(specs)
+        res = group.refit(specs)
         runs.append(time.perf_counter() - t0)
-    return runs
+    return runs, res
 
 
-def _time_refits(group, specs, repeats: int) -> float:
-    """Median of `repeats` refits after a warm-up, for the constants and the cases alike."""
-    return statistics.median(_timed_refits(group, specs, repeats))
+def _time_refits(group, specs, repeats: int) -> tuple[float, object]:
+    """Median seconds of `repeats` refits after a warm-up, for the constants and the cases
+    alike, and the last refit's result."""
+    runs, res = _timed_refits(group, specs, repeats)
+    return statistics.median(runs), res
 
 
 def copy_rates(repeats: int = 7) -> tuple[float, float]:
@@ -123,94 +130,140 @@ def cases(mb: int):
     ]
 
 
-def calibrate_once(args, src, dst, near) -> dict:
-    """Measure the constants, then refit every case and predict it: one calibration run."""
+ROUNDS = 16                 # rounds of the chunked refit (one 16-chunk item per pair)
+# The Cluster fields a calibration run fits from its measurements (see `fit`).
+FITTED = ("nvlink_Bps", "nic_Bps", "fabric_Bps", "domain_fabric_Bps", "latency_s",
+          "ring_latency_s", "refit_overhead_s", "item_s", "tensor_s", "message_s", "copy_Bps",
+          "contig_copy_Bps")
+
+
+def measure(args, src, dst, near) -> dict:
+    """The figures the constants are fitted to (see `fit`): median seconds of refits `t_*`,
+    rates `*_Bps` in bytes per second, the cores, and the domain refit's bytes, rounds and
+    whether its rings copied once (`single_copy`)."""
     bucket = args.bucket_mb << 20
     tp4 = rr.Layout(_mesh1(range(N)), (rr.Shard(0),))
     tp4c = rr.Layout(_mesh1(range(N)), (rr.Shard(1),))
-    # --- constants: each the median of 3x as many runs as the cases (cheap)
+    # each the median of 3x as many runs as the cases' (cheap)
     prim = 3 * args.repeats
-    cores = os.cpu_count() or 1
     probe = 64 << 20
+    m = {"cores": os.cpu_count() or 1}
     with rr.ReshardGroup(src[:1], dst[:1]) as g1:
-        one = statistics.median(g1.raw_bandwidth(probe) for _ in range(prim)) * 1e9
+        m["one_Bps"] = statistics.median(g1.raw_bandwidth(probe) for _ in range(prim)) * 1e9
     with rr.ReshardGroup(src, dst, bucket_bytes=bucket) as g:
-        fabric = statistics.median(g.raw_bandwidth(probe) for _ in range(prim)) * 1e9
+        m["fabric_Bps"] = statistics.median(g.raw_bandwidth(probe) for _ in range(prim)) * 1e9
         tiny = _specs(1, N, 4, tp4, tp4)                # one item per rank, one round
         _fill(src, tiny, "src"), _fill(dst, tiny, "dst")
-        t_round = _time_refits(g, tiny, prim * 2)
+        m["t_round"], _ = _time_refits(g, tiny, prim * 2)
         many = _specs(400, 16, 16, tp4, tp4)            # 400 tensors, 1 item each per pair
         _fill(src, many, "src"), _fill(dst, many, "dst")
-        t_many = _time_refits(g, many, prim)
+        m["t_many"], _ = _time_refits(g, many, prim)
         cross = _specs(400, 16, 16, tp4, tp4c)          # 400 tensors, 4 items each per source
         _fill(src, cross, "src"), _fill(dst, cross, "dst")
-        t_cross = _time_refits(g, cross, prim)
+        m["t_cross"], _ = _time_refits(g, cross, prim)
         # the same bytes as 64 tensors of items at the per-item threshold (each its own
         # message, in place) or one tensor of one item per pair: 63 more messages per pair
         msg_cols = PER_ITEM_MIN_BYTES // 4
         msgs64 = _specs(64, N, msg_cols, tp4, tp4)
         _fill(src, msgs64, "src"), _fill(dst, msgs64, "dst")
-        t_msgs64 = _time_refits(g, msgs64, prim)
+        m["t_msgs64"], _ = _time_refits(g, msgs64, prim)
         msgs1 = _specs(1, N * 64, msg_cols, tp4, tp4)
         _fill(src, msgs1, "src"), _fill(dst, msgs1, "dst")
-        t_msgs1 = _time_refits(g, msgs1, prim)
-    # all ranks share the cores; an item is handled by its sender and its receiver, a
-    # tensor's views are looked up by each of the 8 processes
-    item_s = max(0.0, (t_cross - t_many) * cores / (400 * 3 * N * 2))
-    tensor_s = max(0.0, ((t_many - t_round) * cores - 400 * N * 2 * item_s) / (400 * 2 * N))
-    message_s = max(0.0, ((t_msgs64 - t_msgs1) * cores - 63 * 2 * N * (item_s + tensor_s))
-                    / (63 * N * 2))
+        m["t_msgs1"], _ = _time_refits(g, msgs1, prim)
+    chunked = _specs(1, N * ROUNDS, 1024, tp4, tp4)
     with rr.ReshardGroup(src, dst, bucket_bytes=4096) as g4:
-        rounds = 16                                      # one 16-chunk item per pair
-        chunked = _specs(1, N * rounds, 1024, tp4, tp4)
         _fill(src, chunked, "src"), _fill(dst, chunked, "dst")
-        t_rounds = _time_refits(g4, chunked, prim * 2)
-    per_round_cpu = 2 * N * item_s / cores + 2 * N * tensor_s / cores / rounds
-    latency = max(0.0, (t_rounds - t_round) / (rounds - 1) - per_round_cpu)
-    overhead = max(0.0, t_round - latency - per_round_cpu)
+        m["t_rounds"], _ = _time_refits(g4, chunked, prim * 2)
     with rr.ReshardGroup(near, dst, bucket_bytes=4096) as gr:
         # the same two refits inside one node: the fixed cost of one ring transfer
         _fill(near, tiny, "src"), _fill(dst, tiny, "dst")
-        t_ring_round = _time_refits(gr, tiny, prim * 2)
+        m["t_ring_round"], _ = _time_refits(gr, tiny, prim * 2)
         _fill(near, chunked, "src"), _fill(dst, chunked, "dst")
-        t_ring_rounds = _time_refits(gr, chunked, prim * 2)
-    ring_latency = max(0.0, (t_ring_rounds - t_ring_round) / (rounds - 1) - per_round_cpu)
-    copy_bps, contig_bps = copy_rates()
+        m["t_ring_rounds"], _ = _time_refits(gr, chunked, prim * 2)
+    m["copy_Bps"], m["contig_copy_Bps"] = copy_rates()
     dom = _specs(8, 1024, max(256, 4 * (args.mb << 20) // 4 // 8 // 1024), tp4, tp4)
     with rr.ReshardGroup(near, dst, bucket_bytes=bucket) as gd:
         _fill(near, dom, "src"), _fill(dst, dom, "dst")
         assert gd.plan(dom).stats.domain_bytes == gd.plan(dom).stats.total_bytes
-        t_dom = _time_refits(gd, dom, prim)
-        dom_rounds = 1 + max(t.key[0] for t in gd.plan(dom).schedule(bucket).transfers)
+        m["t_dom"], res = _time_refits(gd, dom, prim)
+        m["dom_rounds"] = 1 + max(t.key[0] for t in gd.plan(dom).schedule(bucket).transfers)
         # whether the rings' receivers read the senders' memory themselves (see shm.py)
-        single_copy = sum(p.get("single_copy_bytes", 0)
-                          for p in gd.refit(dom).per_process) > 0
-    dom_bytes = sum(s.nbytes for s in dom.values())
+        m["single_copy"] = sum(p.get("single_copy_bytes", 0) for p in res.per_process) > 0
+    m["dom_bytes"] = sum(s.nbytes for s in dom.values())
+    return m
+
+
+def fit(m: dict) -> tuple[dict, dict]:
+    """The `local` cluster's constants fitted to `measure`'s figures, {Cluster field: number}
+    (the fields of `FITTED`), and its settings, {Cluster field: value}."""
+    cores, rounds = m["cores"], ROUNDS
+    # all ranks share the cores; an item is handled by its sender and its receiver, a
+    # tensor's views are looked up by each of the 8 processes
+    item_s = max(0.0, (m["t_cross"] - m["t_many"]) * cores / (400 * 3 * N * 2))
+    tensor_s = max(0.0, ((m["t_many"] - m["t_round"]) * cores - 400 * N * 2 * item_s)
+                   / (400 * 2 * N))
+    message_s = max(0.0, ((m["t_msgs64"] - m["t_msgs1"]) * cores
+                          - 63 * 2 * N * (item_s + tensor_s)) / (63 * N * 2))
+    per_round_cpu = 2 * N * item_s / cores + 2 * N * tensor_s / cores / rounds
+    latency = max(0.0, (m["t_rounds"] - m["t_round"]) / (rounds - 1) - per_round_cpu)
+    overhead = max(0.0, m["t_round"] - latency - per_round_cpu)
+    ring_latency = max(0.0, (m["t_ring_rounds"] - m["t_ring_round"]) / (rounds - 1)
+                       - per_round_cpu)
     # a ring transfer is the receiver's copy straight out of the sender's memory where the
     # kernel allows it, else the sender's copy into the slot and the receiver's copy out of it
     # (contiguous here), on the shared cores, plus the ring's own cost: the domain link
-    dom_copies = (1 if single_copy else 2) * dom_bytes / contig_bps / cores
-    domain_fabric = dom_bytes / max(1e-4, t_dom - t_ring_round - dom_copies
-                                    - (dom_rounds - 1) * ring_latency)
-    local = Cluster("local (measured now)", N, nvlink_Bps=domain_fabric, nic_Bps=one,
-                    latency_s=latency, item_s=item_s, tensor_s=tensor_s, fabric_Bps=fabric,
-                    domain_fabric_Bps=domain_fabric, refit_overhead_s=overhead,
-                    copy_Bps=copy_bps, contig_copy_Bps=contig_bps, cpu_cores=cores,
-                    broadcast="flat", per_item_min_bytes=PER_ITEM_MIN_BYTES, message_s=message_s,
-                    ring_latency_s=ring_latency, single_copy_rings=single_copy)
-    print("constants (measured with primitive transfers, not with the refits below):")
-    print(f"  network one pair {one / 1e9:.2f} GB/s, 4 pairs together {fabric / 1e9:.2f} GB/s; "
-          f"shared-memory refit in a node {dom_bytes / (t_dom - t_ring_round) / 1e9:.2f} GB/s")
-    print(f"  one-item refit {t_round * 1e3:.1f} ms = overhead {overhead * 1e3:.1f} ms + "
-          f"one round; per extra round {latency * 1e3:.2f} ms (in a node: "
-          f"{ring_latency * 1e3:.2f} ms); per item {item_s * 1e6:.1f} us "
-          f"and {tensor_s * 1e6:.1f} us per tensor per process of CPU; per message of an item "
-          f"sent as its own {message_s * 1e6:.1f} us per end")
-    print(f"  copies on one core: strided {copy_bps / 1e9:.2f} GB/s, contiguous "
-          f"{contig_bps / 1e9:.2f} GB/s; {cores} cores; the domain link without its copies "
-          f"{domain_fabric / 1e9:.2f} GB/s")
-    print(f"  -> {local.describe()}\n")
+    dom_copies = ((1 if m["single_copy"] else 2) * m["dom_bytes"] / m["contig_copy_Bps"]
+                  / cores)
+    domain_fabric = m["dom_bytes"] / max(1e-4, m["t_dom"] - m["t_ring_round"] - dom_copies
+                                         - (m["dom_rounds"] - 1) * ring_latency)
+    constants = {"nvlink_Bps": domain_fabric, "nic_Bps": m["one_Bps"],
+                 "fabric_Bps": m["fabric_Bps"], "domain_fabric_Bps": domain_fabric,
+                 "latency_s": latency, "ring_latency_s": ring_latency,
+                 "refit_overhead_s": overhead, "item_s": item_s, "tensor_s": tensor_s,
+                 "message_s": message_s, "copy_Bps": m["copy_Bps"],
+                 "contig_copy_Bps": m["contig_copy_Bps"]}
+    settings = {"gpus_per_domain": N, "cpu_cores": cores, "broadcast": "flat",
+                "per_item_min_bytes": PER_ITEM_MIN_BYTES,
+                "single_copy_rings": bool(m["single_copy"])}
+    return {k: float(v) for k, v in constants.items()}, settings
 
+
+def fitted_cluster(constants: dict, settings: dict) -> Cluster:
+    """The cluster a calibration run predicts with: `fit`'s constants and settings."""
+    missing = [n for n in FITTED if n not in constants]
+    if missing:
+        raise ValueError(f"constants lack {', '.join(missing)}")
+    return Cluster("local (measured now)", **settings, **constants)
+
+
+def calibrate_once(args, src, dst, near) -> dict:
+    """Measure and fit the constants, then refit every case and predict it: one calibration
+    run, {"measured", "constants", "settings", "cluster", "rows"}."""
+    m = measure(args, src, dst, near)
+    constants, settings = fit(m)
+    local = fitted_cluster(constants, settings)
+    c = constants
+    print("constants (measured with primitive transfers, not with the refits below):")
+    print(f"  network one pair {c['nic_Bps'] / 1e9:.2f} GB/s, 4 pairs together "
+          f"{c['fabric_Bps'] / 1e9:.2f} GB/s; shared-memory refit in a node "
+          f"{m['dom_bytes'] / (m['t_dom'] - m['t_ring_round']) / 1e9:.2f} GB/s")
+    print(f"  one-item refit {m['t_round'] * 1e3:.1f} ms = overhead "
+          f"{c['refit_overhead_s'] * 1e3:.1f} ms + one round; per extra round "
+          f"{c['latency_s'] * 1e3:.2f} ms (in a node: {c['ring_latency_s'] * 1e3:.2f} ms); per "
+          f"item {c['item_s'] * 1e6:.1f} us and {c['tensor_s'] * 1e6:.1f} us per tensor per "
+          f"process of CPU; per message of an item sent as its own "
+          f"{c['message_s'] * 1e6:.1f} us per end")
+    print(f"  copies on one core: strided {c['copy_Bps'] / 1e9:.2f} GB/s, contiguous "
+          f"{c['contig_copy_Bps'] / 1e9:.2f} GB/s; {settings['cpu_cores']} cores; the domain "
+          f"link without its copies {c['domain_fabric_Bps'] / 1e9:.2f} GB/s")
+    print(f"  -> {local.describe()}\n")
+    return {"measured": m, "constants": constants, "settings": settings,
+            "cluster": local.describe(), "rows": predict_cases(args, src, dst, local)}
+
+
+def predict_cases(args, src, dst, local: Cluster) -> list:
+    """Refit every case and predict it on `local`: one row per case (see `_row`)."""
+    bucket = args.bucket_mb << 20
     print(f"{'case':<40} {'MB':>6} {'items':>6} {'measured s: median [range]':>27} "
           f"{'predicted s':>11} {'pred/meas':>9} {'bound s':>8}   (median of {args.repeats} "
           f"refits after a warm-up; a prediction off by more than {MISS:.0%} is a MISS)")
@@ -219,7 +272,7 @@ def calibrate_once(args, src, dst, near) -> dict:
         with rr.ReshardGroup(src, dst, bucket_bytes=bucket) as g:
             _fill(src, specs, "src"), _fill(dst, specs, "dst")
             p = g.plan(specs)
-            runs = _timed_refits(g, specs, args.repeats)
+            runs, _ = _timed_refits(g, specs, args.repeats)
         sim = simulate(p, local, bucket, "exact")
         items = sum(len(t.items) for t in p.schedule(bucket).transfers)
         rows.append(_row(name, "reshard", runs, sim.predicted_s, p.stats.total_bytes, items,
@@ -228,11 +281,11 @@ def calibrate_once(args, src, dst, near) -> dict:
     with rr.ReshardGroup(src, dst, bucket_bytes=bucket, strategy="gather_broadcast") as g:
         _fill(src, specs, "src"), _fill(dst, specs, "dst")
         p = g.plan(specs)
-        runs = _timed_refits(g, specs, args.repeats)
+        runs, _ = _timed_refits(g, specs, args.repeats)
     rows.append(_row("gather_broadcast: " + name, "gather_broadcast", runs,
                      gather_broadcast_seconds(p, local, bucket), p.stats.total_bytes, 0,
                      None))
-    return {"cluster": local.describe(), "rows": rows}
+    return rows
 
 
 def main(argv=None) -> int:
@@ -242,7 +295,9 @@ def main(argv=None) -> int:
     ap.add_argument("--bucket-mb", type=int, default=16)
     ap.add_argument("--runs", type=int, default=3,
                     help="whole calibration runs (constants and cases), summarized by median")
-    ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    ap.add_argument("--json", metavar="PATH", type=output_file,
+                    help="also write the figures as JSON; its \"constants\" (the median over "
+                         "the runs) and \"settings\" are the local preset's Cluster fields")
     args = ap.parse_args(argv)
     if args.runs < 1 or args.repeats < 1:
         ap.error("--runs and --repeats must be positive")
@@ -265,12 +320,24 @@ def main(argv=None) -> int:
     print(f"\nreshard predictions: {len(ours) - sum(r['miss'] for r in ours)} of {len(ours)} "
           f"within {MISS:.0%} of the measured times (median over runs), worst off by "
           f"{100 * worst:.0f}%" + (f"; MISSES: {', '.join(misses)}" if misses else ""))
-    out = {"repeats": args.repeats, "runs": args.runs, "mb": args.mb, "per_run": per_run,
-           "summary": summary, "worst": worst, "misses": misses}
+    out = {"repeats": args.repeats, "runs": args.runs, "mb": args.mb, **over_runs(per_run),
+           "per_run": per_run, "summary": summary, "worst": worst, "misses": misses}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     return 0
+
+
+def over_runs(per_run: list) -> dict:
+    """What to refresh the `local` preset from: {"constants": {Cluster field: its median over
+    the runs}, "settings": {Cluster field: its value, or the runs' values where they
+    differ}}."""
+    constants = {n: statistics.median(run["constants"][n] for run in per_run) for n in FITTED}
+    settings = {}
+    for n in per_run[0]["settings"]:
+        values = [run["settings"][n] for run in per_run]
+        settings[n] = values[0] if all(v == values[0] for v in values) else values
+    return {"constants": constants, "settings": settings}
 
 
 def summarize(per_run: list) -> list:

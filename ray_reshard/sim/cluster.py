@@ -168,10 +168,11 @@ PRESETS = {
                            host_overlap=True, ring_carry=True),
     # This machine's two simulated nodes (every rank shares 2 CPU cores): gloo over loopback as
     # the network, shared-memory rings as the domain links (their rate without the copies,
-    # which are CPU work). Figures measured by
-    # `python -m ray_reshard.bench.sim_calibrate` (see README), each the median of its three
-    # runs' (single-copy rings, items of 128 KiB and more as their own messages); rerun it to
-    # refresh them.
+    # which are CPU work). To refresh the figures, run
+    # `python -m ray_reshard.bench.sim_calibrate --json FILE` and copy FILE's "constants"
+    # (each fitted constant by its field name, the median over the three runs) and "settings"
+    # (here: single-copy rings, items of 128 KiB and more as their own messages); the delta_*
+    # rates come from bench-delta (see MEASURED_DELTA_ENCODE_BPS).
     "local": Cluster("local", 4, 10.31 * GB, 1.4 * GB, latency_s=249e-6, ring_latency_s=422e-6,
                      item_s=1.6e-6, tensor_s=1.6e-6, message_s=28.5e-6, fabric_Bps=2.65 * GB,
                      domain_fabric_Bps=10.31 * GB, refit_overhead_s=13.6e-3, copy_Bps=7.5 * GB,
