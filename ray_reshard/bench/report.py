@@ -116,6 +116,7 @@ def run_section(name: str, small: bool, keep: str) -> dict:
     if wants_json is True:
         with open(path) as f:
             out["json"] = json.load(f)
+        os.remove(path)                       # kept once, inside the .out.json below
     elif wants_json == "stdout":
         out["json"] = json.loads(out["stdout"].splitlines()[-1])
         out["stdout"] = ""

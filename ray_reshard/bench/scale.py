@@ -393,7 +393,8 @@ def first_refit(args) -> dict:
             per_repeat[k][ranks] = dict(one, model=title)
         row = {"model": title, "repeats": len(runs)}
         for key, first in runs[0].items():
-            row[key] = first if isinstance(first, bool) else \
+            # a figure the repeats agree on (the tensor count, whether turns are kept) as it is
+            row[key] = first if all(one[key] == first for one in runs) else \
                 statistics.median(one[key] for one in runs)
         for key in ("driver_s", "busiest_s"):
             row[key + "_range"] = [min(one[key] for one in runs),
