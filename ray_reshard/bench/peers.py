@@ -337,7 +337,8 @@ def goals(out: dict) -> list:
             sp = spreads[key]
             rows.append({"goal": text, "measured": sp.median, "met": sp.median >= goal,
                          "low": sp.low, "high": sp.high, "runs": len(sp.values),
-                         "runs_met": sum(v >= goal for v in sp.values)})
+                         "runs_met": sum(v >= goal for v in sp.values),
+                         "values": list(sp.values)})
     return rows
 
 

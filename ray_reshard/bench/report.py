@@ -12,10 +12,15 @@ renders the page from such a directory without running anything. `--small` runs 
 in its small mode (CI: the page then says so at the top; its figures only show the commands
 work; outputs go to a temporary directory unless `--keep` names one).
 
-`--check` reruns the sections whose figures the page states with a spread (median [lowest-
-highest] over runs or repeats) and prints, per figure, the page's figure beside this run's and
-whether this run's median falls inside the page's range (exit status 1 if one does not); it
-writes nothing into `docs/`. `--against DIR` compares with another kept directory.
+Each figure stated over several runs or repeats also gets a 95% prediction: where a further
+run's figure would fall, were the run-to-run variation normal (`harness.predicted_range`).
+`--check` reruns the sections whose figures the page states that way and prints, per figure,
+the page's figure beside this run's and whether this run's median falls inside the page's
+prediction (and inside its plain range of runs; exit status 1 if one falls outside the
+prediction); it
+writes nothing into `docs/` unless `--out` names a page for the comparison. `--against DIR`
+compares with another kept directory; `--check --from DIR` takes this run's outputs from a kept
+directory instead of running the commands.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ import sys
 import time
 
 from ..execution.program import PER_ITEM_MIN_BYTES
-from .harness import machine_facts
+from .harness import machine_facts, predicted_range
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGE = os.path.join(ROOT, "docs", "benchmarks.md")
@@ -132,21 +137,32 @@ def _table(head: list, rows: list) -> list:
     return lines
 
 
+PREDICTION = "95% prediction for a further run"
+
+
+def _predicted_text(values) -> str:
+    if not values or len(values) < 2:
+        return ""
+    lo, hi = predicted_range(values)
+    return f"{lo:.2f}-{hi:.2f}"
+
+
 def _goal_rows(goals: list) -> list:
-    """(goal, measured, met); with several runs the measured median's range over them and in
-    how many runs the goal was met."""
+    """(goal, measured, met, prediction); with several runs the measured median's range over
+    them, in how many runs the goal was met, and where a further run's figure would fall (see
+    `harness.predicted_range`)."""
     rows = []
     for g in goals:
         measured, met = f"{g['measured']:.2f}", "met" if g["met"] else "**not met**"
         if g.get("runs", 1) > 1:
             measured += f" [{g['low']:.2f}-{g['high']:.2f}]"
             met += f" ({g['runs_met']} of {g['runs']} runs)"
-        rows.append((g["goal"], measured, met))
+        rows.append((g["goal"], measured, met, _predicted_text(g.get("values"))))
     return rows
 
 
 def render_peers(r: dict) -> list:
-    from .peers import PEERS, ratio_spreads, ratio_text
+    from .peers import PEERS, goals, ratio_spreads, ratio_text
 
     o = r["json"]
     runs = o.get("runs", 1)
@@ -155,7 +171,8 @@ def render_peers(r: dict) -> list:
                f"run's median of {o['repeats']} after a warm-up; [range] is the lowest and "
                f"highest run median: how far a fresh cluster moved the figure (were the runs "
                f"alike, a further run's median would fall inside the range of {runs} runs' "
-               f"medians with chance {(runs - 1) / (runs + 1):.0%}); the peers take turns "
+               f"medians with chance {(runs - 1) / (runs + 1):.0%}; the goals' last column "
+               f"is a 95% prediction for a further run instead); the peers take turns "
                f"in an order rotated each repeat, each timed run starting once the machine is "
                f"quiet")
     else:
@@ -180,7 +197,7 @@ def render_peers(r: dict) -> list:
         rows.append(cells)
     lines += _table(head, rows)
     lines += ["", "Goals (medians" + (" over the runs" if runs > 1 else "") + "):", ""]
-    lines += _table(["goal", "measured", ""], _goal_rows(o["goals"]))
+    lines += _table(["goal", "measured", "", PREDICTION], _goal_rows(goals(o)))
     return lines
 
 
@@ -208,11 +225,15 @@ def render_first_refit(r: dict) -> list:
              "`worker.install` (localize, shard table, compile), each in a fresh process, the "
              "slower of the busiest destination and the busiest source."
              + (f" Each figure is the median of {repeats} measurements; [range] is the lowest "
-                f"and highest of them; a goal is judged on the medians." if repeats > 1 else ""),
+                f"and highest of them; a goal is judged on the medians. The measurements of one "
+                f"run follow each other within a minute: CPU seconds on this shared host move "
+                f"more between runs hours apart than within one (`--check` shows by how much)."
+                if repeats > 1 else ""),
              ""]
     lines += _table(head, rows)
     if o["goals"]:
-        lines += ["", "Goals:", ""] + _table(["goal", "measured", ""], _goal_rows(o["goals"]))
+        lines += ["", "Goals:", ""] + _table(["goal", "measured", "", PREDICTION],
+                                             _goal_rows(o["goals"]))
     return lines
 
 
@@ -233,9 +254,10 @@ def render_calibrate(r: dict) -> list:
     lines += ["", "Constants measured by each run:", ""]
     lines += [f"{k + 1}. {run['cluster']}" for k, run in enumerate(o["per_run"])]
     lines += ["", "Over the runs:", ""]
-    lines += _table(["case", "pred / meas: median [range]", ""],
+    lines += _table(["case", "pred / meas: median [range]", "", PREDICTION],
                     [(x["case"], f"{x['ratio']:.2f} [{x['low']:.2f}-{x['high']:.2f}]",
-                      "**miss**" if x["miss"] else "") for x in o["summary"]])
+                      "**miss**" if x["miss"] else "", _predicted_text(x.get("ratios")))
+                     for x in o["summary"]])
     ours = [x for x in o["summary"] if x["strategy"] == "reshard"]
     lines += ["", f"{len(ours) - sum(x['miss'] for x in ours)} of {len(ours)} reshard "
                   f"predictions within 25% (median over the runs), worst off by "
@@ -346,40 +368,48 @@ def render(results: dict, small: bool, facts: dict, commit: str) -> str:
 # ------------------------------------------------------------------------------ checking
 def stated_figures(name: str, r: dict) -> list:
     """The figures section `name`'s output `r` states with a spread, each as {"figure",
-    "median", "low", "high", "met"}: the goals of peers and first-refit (medians over runs or
-    repeats, with the lowest and highest) and the calibration's predicted / measured ratios.
-    Figures of a single measurement (no spread) are left out: nothing states how far they
-    move."""
+    "median", "low", "high", "met", "predicted"}: the goals of peers and first-refit (medians
+    over runs or repeats, with the lowest and highest) and the calibration's predicted /
+    measured ratios; "predicted" is where a further run's figure would fall with 95% chance
+    (`harness.predicted_range` of the runs' figures; None without several). Figures of a
+    single measurement are left out: nothing states how far they move."""
+    from .peers import goals
+
     o = r.get("json")
     if not isinstance(o, dict):
         return []
-    out = []
     if name in ("peers", "first-refit"):
-        for g in o.get("goals", []):
-            if g.get("runs", 1) > 1:
-                out.append({"figure": g["goal"], "median": g["measured"], "low": g["low"],
-                            "high": g["high"], "met": g["met"]})
+        found = [(g["goal"], g["measured"], g["low"], g["high"], g["met"], g.get("values"))
+                 for g in (goals(o) if name == "peers" else o.get("goals", []))
+                 if g.get("runs", 1) > 1]
     elif name == "calibrate" and o.get("runs", 1) > 1:
-        for x in o["summary"]:
-            out.append({"figure": f"predicted / measured, {x['case']}", "median": x["ratio"],
-                        "low": x["low"], "high": x["high"], "met": not x["miss"]})
-    return out
+        found = [(f"predicted / measured, {x['case']}", x["ratio"], x["low"], x["high"],
+                  not x["miss"], x.get("ratios")) for x in o["summary"]]
+    else:
+        found = []
+    return [{"figure": f, "median": m, "low": lo, "high": hi, "met": met,
+             "predicted": predicted_range(v) if v and len(v) > 1 else None}
+            for f, m, lo, hi, met, v in found]
 
 
 CHECKED = tuple(n for n in SECTIONS if n in ("peers", "first-refit", "calibrate"))
 
 
 def compare(name: str, page: dict, fresh: dict) -> list:
-    """Per figure the page states with a spread: (figure, page's figure, this run's, whether
-    this run's median falls inside the page's range, whether the goal verdict is the same).
-    A figure of the page that this run does not state is listed with None for this run."""
+    """Per figure the page states with a spread: the page's figure, this run's, whether this
+    run's median falls inside the page's 95% prediction (`inside`) and inside its range of runs
+    (`in_range`), and whether the goal verdict is the same. A figure this run does not state
+    has None for this run and counts as outside."""
     now = {f["figure"]: f for f in stated_figures(name, fresh)}
     rows = []
     for f in stated_figures(name, page):
         g = now.get(f["figure"])
-        inside = g is not None and f["low"] <= g["median"] <= f["high"]
+        pred = f["predicted"]
         rows.append({"section": name, "figure": f["figure"], "page": f, "now": g,
-                     "inside": inside, "same_verdict": g is not None and g["met"] == f["met"]})
+                     "inside": g is not None and pred is not None
+                     and pred[0] <= g["median"] <= pred[1],
+                     "in_range": g is not None and f["low"] <= g["median"] <= f["high"],
+                     "same_verdict": g is not None and g["met"] == f["met"]})
     return rows
 
 
@@ -388,13 +418,20 @@ def check_text(rows: list, page_meta: dict) -> list:
         return "not stated" if f is None else \
             f"{f['median']:.2f} [{f['low']:.2f}-{f['high']:.2f}]"
 
-    lines = _table(["figure", f"page ({page_meta})", "this run", "inside the page's range",
-                    "goal verdict"],
-                   [(x["figure"], fig(x["page"]), fig(x["now"]),
-                     "yes" if x["inside"] else "**no**",
+    def pred(f):
+        return "none" if f["predicted"] is None else \
+            f"{f['predicted'][0]:.2f}-{f['predicted'][1]:.2f}"
+
+    yes = lambda b: "yes" if b else "**no**"
+    lines = _table(["figure", f"page ({page_meta})", PREDICTION, "this run",
+                    "inside the prediction", "inside the page's range", "goal verdict"],
+                   [(x["figure"], fig(x["page"]), pred(x["page"]), fig(x["now"]),
+                     yes(x["inside"]), yes(x["in_range"]),
                      "same" if x["same_verdict"] else "**changed**") for x in rows])
     n_in = sum(x["inside"] for x in rows)
-    return lines + ["", f"{n_in} of {len(rows)} figures inside the page's stated range."]
+    n_range = sum(x["in_range"] for x in rows)
+    return lines + ["", f"{n_in} of {len(rows)} figures inside the page's 95% prediction; "
+                        f"{n_range} of {len(rows)} inside its range of runs."]
 
 
 def _load_kept(keep: str, names: list) -> dict:
@@ -419,7 +456,8 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", help="directory for each command's raw output (default: "
                                    "docs/benchmark-results, or a temporary one with --small "
                                    "or --check)")
-    ap.add_argument("--from", dest="source", help="render from a --keep directory, run nothing")
+    ap.add_argument("--from", dest="source", help="render from a --keep directory (with --check: "
+                                                  "compare its outputs), run nothing")
     ap.add_argument("--check", action="store_true",
                     help="rerun the sections and compare their figures with the kept page's")
     ap.add_argument("--against", default=RESULTS,
@@ -438,13 +476,21 @@ def main(argv=None) -> int:
     os.makedirs(keep, exist_ok=True)
     if args.check:
         page = _load_kept(args.against, names)
-        missing = [n for n in names if n not in page]
-        if missing:
-            ap.error(f"--check: {args.against} keeps no output of {', '.join(missing)}")
-        rows = []
-        for n in names:
-            print(f"running {command_line(n, args.small)}", flush=True)
-            rows += compare(n, page[n], run_section(n, args.small, keep))
+        if args.source:                  # this run's outputs kept earlier: compare, run nothing
+            fresh = _load_kept(keep, names)
+        else:
+            with open(os.path.join(keep, "meta.json"), "w") as f:
+                json.dump({"facts": machine_facts(), "commit": _commit(), "small": args.small},
+                          f)
+            fresh = {}
+            for n in names:
+                print(f"running {command_line(n, args.small)}", flush=True)
+                fresh[n] = run_section(n, args.small, keep)
+        for where, got in ((args.against, page), (keep, fresh)):
+            missing = [n for n in names if n not in got]
+            if missing:
+                ap.error(f"--check: {where} keeps no output of {', '.join(missing)}")
+        rows = [x for n in names for x in compare(n, page[n], fresh[n])]
         stamp = ", ".join(sorted({f"`{r['commit']}` {r['date_utc']}" for r in page.values()}))
         table = check_text(rows, f"run at {stamp}")
         print("\n".join(table))
@@ -478,14 +524,20 @@ def _write(path: str, text: str) -> None:
 def check_page(table: list, names: list, small: bool, keep: str) -> str:
     """The comparison of a `--check` run as a page: its commands (when, at which commit), the
     machine, then the table."""
-    facts = machine_facts()
+    try:
+        with open(os.path.join(keep, "meta.json")) as f:
+            facts = json.load(f)["facts"]
+    except FileNotFoundError:
+        facts = machine_facts()
     lines = ["# Reproducing the figures", "",
              f"Generated by `python -m ray_reshard.bench.report --check"
              + (" --small" if small else "") + " --out ...`; do not edit by hand. These "
              "commands ran again, on a fresh cluster of their own, and each figure that "
              "[Benchmark figures](benchmarks.md) states with a spread stands beside this run's. "
-             "A figure is reproduced when this run's median falls inside the page's [range] "
-             "(the lowest and highest of the page's runs or repeats).", ""]
+             "A figure is reproduced when this run's median falls inside the page's 95% "
+             "prediction for a further run (Student's t over the page's runs or repeats, were "
+             "their variation normal); the page's [range] (lowest and highest of its runs) is "
+             "narrower and promises less.", ""]
     for n in names:
         with open(os.path.join(keep, f"{n}.out.json")) as f:
             r = json.load(f)

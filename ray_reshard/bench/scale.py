@@ -414,7 +414,7 @@ def first_refit(args) -> dict:
     for i, g in enumerate(goals):
         values = [e[i]["measured"] for e in each]
         g.update(low=min(values), high=max(values), runs=len(each),
-                 runs_met=sum(e[i]["met"] for e in each))
+                 runs_met=sum(e[i]["met"] for e in each), values=values)
     if goals:
         print("\ngoals (on the medians; [range] over the repeats):")
         for g in goals:

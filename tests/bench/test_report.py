@@ -164,7 +164,7 @@ def test_report_small_writes_the_page(tmp_path):
                         "--sections", "peers", "--against", str(tmp_path / "raw"), "--keep",
                         str(tmp_path / "fresh")], cwd=ROOT, capture_output=True, text=True,
                        timeout=900)
-    m = re.search(r"(\d+) of (\d+) figures inside the page's stated range", p.stdout)
+    m = re.search(r"(\d+) of (\d+) figures inside the page's 95% prediction", p.stdout)
     assert m and int(m[2]) == 4, p.stdout[-3000:] + p.stderr[-3000:]    # 2 goals x 2 counts
     assert p.returncode == (0 if m[1] == m[2] else 1)
     assert (tmp_path / "fresh" / "peers.out.json").exists()
@@ -191,29 +191,70 @@ def test_the_page_is_what_its_kept_outputs_render():
         assert f.read() == page + "\n"
 
 
-def test_check_compares_a_fresh_run_with_the_pages_stated_spread():
+def test_check_compares_a_fresh_run_with_the_pages_prediction():
     import copy
 
     page = _kept("peers")
     figures = report.stated_figures("peers", page)
     assert len(figures) == 2 * len(page["json"]["counts"])      # two goals per count
-    assert all(f["low"] <= f["median"] <= f["high"] for f in figures)
+    for f in figures:
+        lo, hi = f["predicted"]
+        assert lo <= f["low"] <= f["median"] <= f["high"] <= hi   # wider than the range
     same = report.compare("peers", page, page)
-    assert all(x["inside"] and x["same_verdict"] for x in same)
+    assert all(x["inside"] and x["in_range"] and x["same_verdict"] for x in same)
     fresh = copy.deepcopy(page)
-    moved = fresh["json"]["goals"][0]
-    moved["measured"] = moved["high"] + 0.5
-    moved["met"] = not moved["met"]
+    row = next(iter(fresh["json"]["counts"].values()))
+    for run in row["ratios_by_run"]:                # every run far below the 2x goal
+        run["object store"] = 1.0
     rows = report.compare("peers", page, fresh)
     assert [x["inside"] for x in rows].count(False) == 1 and not rows[0]["inside"]
-    assert not rows[0]["same_verdict"]
+    assert not rows[0]["in_range"] and not rows[0]["same_verdict"]
     text = "\n".join(report.check_text(rows, "run at x"))
-    assert "| **no** | **changed** |" in text
-    assert f"{len(rows) - 1} of {len(rows)} figures inside the page's stated range." in text
+    assert "| **no** | **no** | **changed** |" in text
+    n = len(rows)
+    assert f"{n - 1} of {n} figures inside the page's 95% prediction; {n - 1} of {n} inside" \
+        in text
     # a figure this run does not state counts as outside
-    del fresh["json"]["goals"][1]
-    assert report.compare("peers", page, fresh)[1]["now"] is None
+    del fresh["json"]["counts"][next(iter(fresh["json"]["counts"]))]
+    assert report.compare("peers", page, fresh)[0]["now"] is None
     # calibration ratios and first-refit goals are stated with their spread too
-    assert report.stated_figures("calibrate", _kept("calibrate"))
-    assert report.stated_figures("first-refit", _kept("first-refit"))
+    assert all(f["predicted"] for f in report.stated_figures("calibrate", _kept("calibrate")))
+    assert all(f["predicted"] for f in report.stated_figures("first-refit",
+                                                             _kept("first-refit")))
     assert report.stated_figures("replay", _kept("replay")) == []   # one measurement: none
+
+
+def test_predicted_range_is_students_t():
+    from ray_reshard.bench.harness import predicted_range
+
+    lo, hi = predicted_range([1.0, 2.0, 3.0])        # mean 2, sd 1, t(2 df) = 4.303
+    assert (lo, hi) == pytest.approx((2 - 4.303 * (4 / 3) ** 0.5, 2 + 4.303 * (4 / 3) ** 0.5))
+    lo, hi = predicted_range([float(v) for v in range(41)])   # 40 df: t = 2.021
+    half = hi - 20
+    sd = (41 * 42 / 12) ** 0.5
+    assert half == pytest.approx(2.021 * sd * (42 / 41) ** 0.5, rel=2e-3)
+    with pytest.raises(ValueError, match="2 values"):
+        predicted_range([1.0])
+
+
+def test_check_from_kept_outputs_writes_the_comparison(tmp_path, capsys):
+    """`--check --from DIR` compares kept outputs without running anything; `--out` writes the
+    comparison as a page; the exit status says whether every figure fell inside."""
+    import json
+    import shutil
+
+    fresh = tmp_path / "fresh"
+    shutil.copytree(report.RESULTS, fresh)
+    out = tmp_path / "reproduction.md"
+    assert report.main(["--check", "--from", str(fresh), "--out", str(out)]) == 0
+    n = sum(len(report.stated_figures(s, _kept(s))) for s in report.CHECKED)
+    assert f"{n} of {n} figures inside the page's 95% prediction" in out.read_text()
+    path = fresh / "first-refit.out.json"
+    r = json.loads(path.read_text())
+    r["json"]["goals"][0]["measured"] = r["json"]["goals"][0]["high"] * 2
+    path.write_text(json.dumps(r))
+    assert report.main(["--check", "--from", str(fresh), "--sections", "first-refit"]) == 1
+    assert "| **no** |" in capsys.readouterr().out
+    (fresh / "peers.out.json").unlink()
+    with pytest.raises(SystemExit):
+        report.main(["--check", "--from", str(fresh), "--sections", "peers"])
