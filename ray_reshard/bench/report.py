@@ -17,8 +17,7 @@ run's figure would fall, were the run-to-run variation normal (`harness.predicte
 `--check` reruns the sections whose figures the page states that way and prints, per figure,
 the page's figure beside this run's and whether this run's median falls inside the page's
 prediction (and inside its plain range of runs; exit status 1 if one falls outside the
-prediction); it
-writes nothing into `docs/` unless `--out` names a page for the comparison. `--against DIR`
+prediction); it writes nothing into `docs/` unless `--out` names a page for the comparison. `--against DIR`
 compares with another kept directory; `--check --from DIR` takes this run's outputs from a kept
 directory instead of running the commands.
 """
@@ -31,6 +30,7 @@ import re
 import subprocess
 import sys
 import time
+from typing import Optional
 
 from ..execution.program import PER_ITEM_MIN_BYTES
 from .harness import machine_facts, predicted_range
@@ -140,11 +140,13 @@ def _table(head: list, rows: list) -> list:
 PREDICTION = "95% prediction for a further run"
 
 
-def _predicted_text(values) -> str:
-    if not values or len(values) < 2:
-        return ""
-    lo, hi = predicted_range(values)
-    return f"{lo:.2f}-{hi:.2f}"
+def _prediction(values) -> Optional[tuple]:
+    """`harness.predicted_range` of the runs' figures, None for fewer than two."""
+    return predicted_range(values) if values and len(values) > 1 else None
+
+
+def _span_text(span: Optional[tuple], none: str = "") -> str:
+    return none if span is None else f"{span[0]:.2f}-{span[1]:.2f}"
 
 
 def _goal_rows(goals: list) -> list:
@@ -157,7 +159,7 @@ def _goal_rows(goals: list) -> list:
         if g.get("runs", 1) > 1:
             measured += f" [{g['low']:.2f}-{g['high']:.2f}]"
             met += f" ({g['runs_met']} of {g['runs']} runs)"
-        rows.append((g["goal"], measured, met, _predicted_text(g.get("values"))))
+        rows.append((g["goal"], measured, met, _span_text(_prediction(g.get("values")))))
     return rows
 
 
@@ -256,7 +258,7 @@ def render_calibrate(r: dict) -> list:
     lines += ["", "Over the runs:", ""]
     lines += _table(["case", "pred / meas: median [range]", "", PREDICTION],
                     [(x["case"], f"{x['ratio']:.2f} [{x['low']:.2f}-{x['high']:.2f}]",
-                      "**miss**" if x["miss"] else "", _predicted_text(x.get("ratios")))
+                      "**miss**" if x["miss"] else "", _span_text(_prediction(x.get("ratios"))))
                      for x in o["summary"]])
     ours = [x for x in o["summary"] if x["strategy"] == "reshard"]
     lines += ["", f"{len(ours) - sum(x['miss'] for x in ours)} of {len(ours)} reshard "
@@ -346,7 +348,7 @@ def render(results: dict, small: bool, facts: dict, commit: str) -> str:
              + ("" if small else " Each command's raw output is kept in "
                 "`docs/benchmark-results/`; `python -m ray_reshard.bench.report --check` reruns "
                 "the commands whose figures are stated with a spread and says which of this "
-                "run's figures fall inside them."),
+                "run's figures fall inside their 95% predictions."),
              ""]
     if small:
         lines += ["**Small mode** (CI): tiny payloads and few repeats; these figures only show "
@@ -388,7 +390,7 @@ def stated_figures(name: str, r: dict) -> list:
     else:
         found = []
     return [{"figure": f, "median": m, "low": lo, "high": hi, "met": met,
-             "predicted": predicted_range(v) if v and len(v) > 1 else None}
+             "predicted": _prediction(v)}
             for f, m, lo, hi, met, v in found]
 
 
@@ -418,14 +420,10 @@ def check_text(rows: list, page_meta: dict) -> list:
         return "not stated" if f is None else \
             f"{f['median']:.2f} [{f['low']:.2f}-{f['high']:.2f}]"
 
-    def pred(f):
-        return "none" if f["predicted"] is None else \
-            f"{f['predicted'][0]:.2f}-{f['predicted'][1]:.2f}"
-
     yes = lambda b: "yes" if b else "**no**"
     lines = _table(["figure", f"page ({page_meta})", PREDICTION, "this run",
                     "inside the prediction", "inside the page's range", "goal verdict"],
-                   [(x["figure"], fig(x["page"]), pred(x["page"]), fig(x["now"]),
+                   [(x["figure"], fig(x["page"]), _span_text(x["page"]["predicted"], "none"), fig(x["now"]),
                      yes(x["inside"]), yes(x["in_range"]),
                      "same" if x["same_verdict"] else "**changed**") for x in rows])
     n_in = sum(x["inside"] for x in rows)
@@ -479,9 +477,7 @@ def main(argv=None) -> int:
         if args.source:                  # this run's outputs kept earlier: compare, run nothing
             fresh = _load_kept(keep, names)
         else:
-            with open(os.path.join(keep, "meta.json"), "w") as f:
-                json.dump({"facts": machine_facts(), "commit": _commit(), "small": args.small},
-                          f)
+            _write_meta(keep, args.small)
             fresh = {}
             for n in names:
                 print(f"running {command_line(n, args.small)}", flush=True)
@@ -502,9 +498,7 @@ def main(argv=None) -> int:
         with open(os.path.join(keep, "meta.json")) as f:
             meta = json.load(f)
     else:
-        meta = {"facts": machine_facts(), "commit": _commit(), "small": args.small}
-        with open(os.path.join(keep, "meta.json"), "w") as f:
-            json.dump(meta, f)
+        meta = _write_meta(keep, args.small)
         for n in names:
             print(f"running {command_line(n, args.small)}", flush=True)
             run_section(n, args.small, keep)
@@ -512,6 +506,14 @@ def main(argv=None) -> int:
     results = _load_kept(keep, list(SECTIONS))
     _write(args.out or PAGE, render(results, meta["small"], meta["facts"], meta["commit"]))
     return 0
+
+
+def _write_meta(keep: str, small: bool) -> dict:
+    """The machine and commit a run starts on, kept beside its outputs."""
+    meta = {"facts": machine_facts(), "commit": _commit(), "small": small}
+    with open(os.path.join(keep, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    return meta
 
 
 def _write(path: str, text: str) -> None:
@@ -527,8 +529,9 @@ def check_page(table: list, names: list, small: bool, keep: str) -> str:
     try:
         with open(os.path.join(keep, "meta.json")) as f:
             facts = json.load(f)["facts"]
-    except FileNotFoundError:
-        facts = machine_facts()
+        machine = ", ".join(f"{k} {v}" for k, v in facts.items() if k != "date_utc") + "."
+    except FileNotFoundError:               # outputs kept without it: not this machine's now
+        machine = "not recorded with these outputs."
     lines = ["# Reproducing the figures", "",
              f"Generated by `python -m ray_reshard.bench.report --check"
              + (" --small" if small else "") + " --out ...`; do not edit by hand. These "
@@ -543,8 +546,7 @@ def check_page(table: list, names: list, small: bool, keep: str) -> str:
             r = json.load(f)
         lines.append(f"- `{r['command']}` (run {r['date_utc']} at commit `{r['commit']}`, "
                      f"{r['seconds']:.0f} s)")
-    lines += ["", "Machine: " + ", ".join(f"{k} {v}" for k, v in facts.items()
-                                          if k != "date_utc") + ".", ""]
+    lines += ["", "Machine: " + machine, ""]
     return "\n".join(lines + table)
 
 
