@@ -55,7 +55,7 @@ def local_tensors(key: str, actor=None) -> dict:
     if "tensors" in ent:
         out.update(ent["tensors"]())
     if "engine" in ent:
-        out.update(ent["engine"].tensors())
+        out.update(ent["engine"].tensors(key))
     if "view" in ent:
         out.update(ent["view"])
     return out

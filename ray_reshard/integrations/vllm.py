@@ -52,13 +52,14 @@ from vllm.distributed.weight_transfer.base import (TrainerInitInfo, TrainerWeigh
 
 import ray_reshard as rr
 
-from ..models import Recipe, hf_parameter_shapes
+from ..models import Recipe, config_differences, hf_parameter_shapes
 from .engine_views import (WorkerView, current_actor_id, entry, export_tensors, forget,
                            local_tensors)
 
 BACKEND = "ray_reshard"
 FULL = "full:"            # storage name prefix of fallback staging tensors (whole HF tensors)
 IN_PLACE_MOE_BACKENDS = ("TRITON", "BATCHED_TRITON")
+PACKED_COPY = "its GEMM reads a packed copy (CPU prepack), not this parameter"
 # vLLM 0.33's TrainerWeightTransferEngine takes the trainer's rank; 0.32's does not
 _TRAINER_BASE_TAKES_RANK = "rank" in inspect.signature(
     TrainerWeightTransferEngine.__init__).parameters
@@ -126,7 +127,7 @@ def route(module: torch.nn.Module, param: torch.Tensor, *, quantized: bool,
         except Exception as e:      # noqa: BLE001  (any failure: do not trust the parameter)
             return f"could not tell what its GEMM reads ({type(e).__name__}: {e})"
         if reads is False:
-            return "its GEMM reads a packed copy (CPU prepack), not this parameter"
+            return PACKED_COPY
     return quant_method_reason(module)
 
 
@@ -134,7 +135,8 @@ def format_report(rows: list[dict]) -> str:
     """A table of `RayReshardTrainerEngine.report()` rows, one line per parameter and rank."""
     lines = [f"{'rank':>4}  {'route':9}  {'shape':18} {'dtype':10} parameter / why"]
     for r in rows:
-        why = f"  ({r['why']})" if r["why"] else ""
+        why = f"  ({r['why']})" if r["why"] else \
+            f"  (tied to {r['tied']})" if r.get("tied") else ""
         lines.append(f"{r['rank']:>4}  {r['route']:9}  {str(tuple(r['shape'])):18} "
                      f"{r['dtype']:10} {r['name']}{why}")
     n_in = sum(r["route"] == "in place" for r in rows)
@@ -151,13 +153,102 @@ class RayReshardInitInfo(WeightTransferInitInfo):
 @dataclass
 class RayReshardUpdateInfo(WeightTransferUpdateInfo):
     version: int = 0
+    key: Optional[str] = None       # the transfer this round belongs to (None: the only one)
+
+
+@dataclass
+class _Transfer:
+    """What one trainer connection (one key) holds in a worker."""
+
+    staging: dict = field(default_factory=dict)      # HF name -> whole tensor (fallback)
+    exposed: dict = field(default_factory=dict)      # parameter name -> tensor (in place)
+    fallback_modules: set = field(default_factory=set)
+    repack: list = field(default_factory=list)       # modules whose packed copy is rebuilt
+
+
+def describe_model(model: torch.nn.Module, quantized: bool) -> tuple[dict, dict, set, list]:
+    """How the forward pass reads each parameter of `model` (see `route`).
+
+    Returns (description, in-place tensors, modules reloaded as a whole, modules to repack).
+    The description maps each parameter name to {shape, dtype, why, tied}: `why` None means the
+    parameter is written in place, else why it goes through load_weights; `tied` names another
+    parameter sharing its tensor (tied embeddings). A module whose GEMM reads a packed copy of
+    a tensor shared with a parameter written in place (a tied LM head on vLLM's CPU build) is
+    repacked from it after each refit; a tied parameter that must go through load_weights takes
+    its aliases with it."""
+    lm_head = getattr(model, "lm_head", None)
+    rows = []            # (module name, module, parameter name, tensor, why)
+    for mod_name, module in model.named_modules():
+        params = list(module.named_parameters(recurse=False))
+        is_head = module is lm_head or type(module).__name__ == "ParallelLMHead"
+        for pname, p in params:
+            why = route(module, p, quantized=quantized, lm_head=is_head)
+            rows.append((mod_name, module, f"{mod_name}.{pname}" if mod_name else pname, p, why))
+    names_of: dict = {}
+    for _, _, name, p, _ in rows:
+        names_of.setdefault(id(p), []).append(name)
+    groups = [names for names in names_of.values() if len(names) > 1]
+    whys = {name: why for _, _, name, _, why in rows}
+    owner = {name: (mod_name, module) for mod_name, module, name, _, _ in rows}
+    repack = set()
+    for names in groups:        # read in place by one alias, through a packed copy by others
+        if any(whys[n] is None for n in names):
+            for n in names:
+                if whys[n] == PACKED_COPY and quant_method_reason(owner[n][1]) is None:
+                    whys[n] = None
+                    repack.add(owner[n][0])
+    members: dict = {}
+    for mod_name, _, name, _, _ in rows:
+        members.setdefault(mod_name, []).append(name)
+    changed = True
+    while changed:          # a reload takes whole modules, and a tied tensor's every alias
+        changed = False
+        for mod_name, names in members.items():
+            bad = next((n for n in names if whys[n] is not None), None)
+            for n in names:
+                if bad is not None and whys[n] is None:
+                    whys[n] = (f"its module is reloaded as a whole "
+                               f"({bad.rsplit('.', 1)[-1]}: {whys[bad]})")
+                    changed = True
+        for names in groups:
+            bad = next((n for n in names if whys[n] is not None), None)
+            for n in names:
+                if bad is not None and whys[n] is None:
+                    whys[n] = f"tied to {bad}, which goes through load_weights"
+                    changed = True
+    out, exposed, fallback = {}, {}, set()
+    for mod_name, module, name, p, _ in rows:
+        why = whys[name]
+        tied = next((n for n in names_of[id(p)] if n != name), None)
+        out[name] = {"shape": tuple(p.shape), "dtype": str(p.dtype).replace("torch.", ""),
+                     "why": why, "tied": tied}
+        if why is None:
+            exposed[name] = writable(p.data)
+        else:
+            fallback.add(mod_name)
+    return out, exposed, fallback, sorted(m for m in repack if m not in fallback)
+
+
+def repack_modules(model: torch.nn.Module, names: list) -> list[str]:
+    """Rebuild the packed copies of `names` (modules whose GEMM reads a copy of a tensor written
+    in place) through their quant method's own post-load step. Returns the modules it ran on."""
+    modules = dict(model.named_modules())
+    done = []
+    for name in names:
+        module = modules[name]
+        module.quant_method.process_weights_after_loading(module)
+        done.append(name)
+    return done
 
 
 class RayReshardWeightTransferEngine(WeightTransferEngine[RayReshardInitInfo, RayReshardUpdateInfo]):
     """Worker side: describes how the forward pass reads each parameter, exposes the in-place
     parameters and the fallback staging tensors to the trainer's ReshardGroup, loads fallback
-    pieces, re-derives MLA tensors. The bytes arrive outside ``update_weights`` (the group writes
-    them between start_weight_update and update_weights)."""
+    pieces, re-derives MLA tensors, rebuilds tied heads' packed copies. The bytes arrive outside
+    ``update_weights`` (the group writes them between start_weight_update and update_weights).
+
+    Several transfers (trainer connections, by key) may be open at once; each keeps its own
+    staging tensors, and a round loads only its own (its key comes with ``update_weights``)."""
 
     init_info_cls = RayReshardInitInfo
     update_info_cls = RayReshardUpdateInfo
@@ -167,22 +258,34 @@ class RayReshardWeightTransferEngine(WeightTransferEngine[RayReshardInitInfo, Ra
 
     def __init__(self, config, vllm_config, device, model):
         super().__init__(config, vllm_config, device, model)
-        self.key: Optional[str] = None
-        self.staging: dict[str, torch.Tensor] = {}      # HF name -> whole tensor (fallback)
-        self.exposed: dict[str, torch.Tensor] = {}      # parameter name -> tensor (in place)
+        self.transfers: dict[str, _Transfer] = {}
+        self.key: Optional[str] = None          # the transfer initialised last
         self.version = 0
         self.rederived: list[str] = []
         self.reprocessed: list[str] = []
-        self._layerwise = False
-        self._fallback_modules: set[str] = set()
-        self._expert_calls: Optional[dict] = None
+        self.repacked: list[str] = []
+        self._round: Optional[dict] = None      # the update session's key, reload, experts
 
     def _quantized(self) -> bool:
         return getattr(self.model_config, "quantization", None) is not None
 
+    def transfer(self, key: Optional[str]) -> _Transfer:
+        """The state of transfer `key` (None: the only open one)."""
+        if key is None:
+            if len(self.transfers) != 1:
+                raise RuntimeError(f"{len(self.transfers)} ray_reshard transfers are open on "
+                                   f"this worker ({sorted(self.transfers)}): name the key")
+            key = next(iter(self.transfers))
+        try:
+            return self.transfers[key]
+        except KeyError:
+            raise RuntimeError(f"no ray_reshard weight transfer {key!r} on this worker (open: "
+                               f"{sorted(self.transfers)})") from None
+
     def init_transfer_engine(self, init_info: RayReshardInitInfo) -> None:
         self.key = init_info.key
-        entry(self.key)["engine"] = self
+        self.transfers.setdefault(init_info.key, _Transfer())
+        entry(init_info.key)["engine"] = self
 
     def quantization(self) -> dict:
         """The served model's quantization: method (None: unquantized), block FP8's
@@ -199,41 +302,34 @@ class RayReshardWeightTransferEngine(WeightTransferEngine[RayReshardInitInfo, Ra
                 "pp": int(getattr(pc, "pipeline_parallel_size", 1)),
                 "dp": int(getattr(pc, "data_parallel_size", 1))}
 
-    def describe(self) -> dict:
-        """Every parameter: name -> {shape, dtype, why}; `why` is None when the parameter is
-        written in place, else why it goes through load_weights (see `route`). Also remembers
-        the in-place parameters (`exposed`): during a layerwise reload the module attributes
-        point elsewhere, the tensors remembered here keep the memory the forward pass reads."""
-        quantized = self._quantized()
-        lm_head = getattr(self.model, "lm_head", None)
-        out, exposed, fallback_modules = {}, {}, set()
-        for mod_name, module in self.model.named_modules():
-            params = list(module.named_parameters(recurse=False))
-            is_head = module is lm_head or type(module).__name__ == "ParallelLMHead"
-            whys = {p: route(module, t, quantized=quantized, lm_head=is_head) for p, t in params}
-            first = next((f"{p}: {w}" for p, w in whys.items() if w), None)
-            for pname, p in params:
-                name = f"{mod_name}.{pname}" if mod_name else pname
-                why = whys[pname]
-                if why is None and first is not None:
-                    why = f"its module is reloaded as a whole ({first})"
-                out[name] = {"shape": tuple(p.shape), "dtype": str(p.dtype).replace("torch.", ""),
-                             "why": why}
-                if why is None:
-                    exposed[name] = writable(p.data)
-            if first is not None:
-                fallback_modules.add(mod_name)
-        self.exposed, self._fallback_modules = exposed, fallback_modules
+    def hf_config(self) -> Optional[dict]:
+        """The Hugging Face config of the served model, as a dict (None when not known)."""
+        cfg = getattr(self.model_config, "hf_config", None)
+        if cfg is None:
+            return None
+        return dict(cfg) if isinstance(cfg, Mapping) else cfg.to_dict()
+
+    def describe(self, key: Optional[str] = None) -> dict:
+        """Every parameter: name -> {shape, dtype, why, tied} (see `describe_model`). Also
+        remembers, for transfer `key`, the in-place parameters: during a layerwise reload the
+        module attributes point elsewhere, the tensors remembered here keep the memory the
+        forward pass reads."""
+        t = self.transfer(key)
+        out, t.exposed, t.fallback_modules, t.repack = describe_model(self.model,
+                                                                      self._quantized())
         return out
 
-    def configure(self, staging: Mapping[str, tuple]) -> None:
-        """Allocate the staging tensors of fallback pieces: HF name -> (shape, dtype name)."""
-        self.staging = {n: torch.empty(tuple(s), dtype=getattr(torch, dt), device=self.device)
-                        for n, (s, dt) in staging.items()}
+    def configure(self, staging: Mapping[str, tuple], key: Optional[str] = None) -> None:
+        """Allocate transfer `key`'s staging tensors of fallback pieces: HF name -> (shape,
+        dtype name)."""
+        self.transfer(key).staging = {
+            n: torch.empty(tuple(s), dtype=getattr(torch, dt), device=self.device)
+            for n, (s, dt) in staging.items()}
 
-    def tensors(self) -> dict:
-        out = dict(self.exposed)
-        out.update({FULL + n: t for n, t in self.staging.items()})
+    def tensors(self, key: Optional[str] = None) -> dict:
+        t = self.transfer(key)
+        out = dict(t.exposed)
+        out.update({FULL + n: s for n, s in t.staging.items()})
         return out
 
     def begin_reload(self) -> None:
@@ -246,10 +342,10 @@ class RayReshardWeightTransferEngine(WeightTransferEngine[RayReshardInitInfo, Ra
         finalize_layerwise_reload(self.model, self.model_config)
 
     def start_weight_update(self) -> None:
-        self._layerwise = bool(self.staging)
-        if self._layerwise:
-            self._expert_calls = track_expert_processing(self.model, self._fallback_modules)
-            self.begin_reload()
+        # Which transfer this round belongs to comes with update_weights: the reload starts
+        # there (in-place bytes written before it stay: a reload restores the tensors of the
+        # modules it does not load).
+        self._round = None
 
     def update_weights(self, update_info: dict) -> None:
         self.receive_weights(self.parse_update_info(update_info))
@@ -257,27 +353,38 @@ class RayReshardWeightTransferEngine(WeightTransferEngine[RayReshardInitInfo, Ra
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: RayReshardUpdateInfo) -> None:
+        t = self.transfer(update_info.key)
         self.version = update_info.version
-        if self.staging:
-            self.model.load_weights(iter(list(self.staging.items())))
+        self._round = {"transfer": t, "layerwise": bool(t.staging), "experts": {}}
+        if t.staging:
+            self._round["experts"] = track_expert_processing(self.model, t.fallback_modules)
+            self.begin_reload()
+            self.model.load_weights(iter(list(t.staging.items())))
 
     def finish_weight_update(self) -> None:
-        if self._layerwise:     # the reload's end re-processes deferred attention layers itself
-            self.end_reload()
-            self._layerwise = False
-            self.reprocessed = finish_expert_processing(self.model, self._expert_calls or {})
-            self._expert_calls = None
+        rnd, self._round = self._round, None
+        if rnd is not None and rnd["layerwise"]:
+            self.end_reload()       # re-processes deferred attention layers itself
+            self.reprocessed = finish_expert_processing(self.model, rnd["experts"])
             self.rederived = []
         else:
             self.rederived = rederive(self.model,
                                       getattr(self.model_config, "dtype", torch.bfloat16))
+        # in-place bytes may have landed even in a round that failed: every open transfer's
+        # tied heads follow the tensors they copy
+        self.repacked = repack_modules(self.model, sorted({m for t in self.transfers.values()
+                                                           for m in t.repack}))
+
+    def forget(self, key: str) -> None:
+        """Close transfer `key` on this worker (its staging tensors go)."""
+        self.transfers.pop(key, None)
+        ent = entry(key)
+        if ent.get("engine") is self:
+            del ent["engine"]
 
     def shutdown(self) -> None:
-        self.staging, self.exposed = {}, {}
-        if self.key is not None:
-            ent = entry(self.key)
-            if ent.get("engine") is self:
-                del ent["engine"]
+        for key in list(self.transfers):
+            self.forget(key)
 
 
 def track_expert_processing(model: torch.nn.Module, modules: set) -> dict:
@@ -344,7 +451,7 @@ def _engine_rpc(llm, fn, *args) -> list:
 
 def _worker_engine(worker, key: str) -> RayReshardWeightTransferEngine:
     eng = getattr(worker, "weight_transfer_engine", None)
-    if not isinstance(eng, RayReshardWeightTransferEngine) or eng.key != key:
+    if not isinstance(eng, RayReshardWeightTransferEngine) or key not in eng.transfers:
         raise RuntimeError(f"vLLM worker {getattr(worker, 'rank', '?')} has no ray_reshard "
                            f"weight transfer {key!r} (weight_transfer_config backend "
                            f"{BACKEND!r} and init_weight_transfer_engine first)")
@@ -364,20 +471,28 @@ def _worker_describe(worker, key: str, engine_actor_id) -> dict:
     """A worker's description, and how a ReshardGroup reaches it: its own actor handle, or its
     in-place tensors exported for a view."""
     eng = _worker_engine(worker, key)
-    described = eng.describe()
+    described = eng.describe(key)
     handle = _own_actor(engine_actor_id)
     return {"describe": described, "quantization": eng.quantization(),
-            "parallel": eng.parallel(), "handle": handle,
-            "exported": None if handle is not None else export_tensors(eng.exposed)}
+            "parallel": eng.parallel(), "hf_config": eng.hf_config(), "handle": handle,
+            "exported": None if handle is not None else
+            export_tensors(eng.transfer(key).exposed)}
 
 
 def _worker_configure(worker, key: str, staging_by_rank: list, engine_actor_id) -> Optional[dict]:
     """Allocate a worker's staging tensors; exported for its view unless it is a Ray actor."""
     eng = _worker_engine(worker, key)
-    eng.configure(staging_by_rank[int(getattr(worker, "rank", 0))])
+    eng.configure(staging_by_rank[int(getattr(worker, "rank", 0))], key)
     if _own_actor(engine_actor_id) is not None:
         return None
-    return export_tensors({FULL + n: t for n, t in eng.staging.items()})
+    return export_tensors({FULL + n: t for n, t in eng.transfer(key).staging.items()})
+
+
+def _worker_forget(worker, key: str) -> None:
+    """Close transfer `key` in a worker (its staging tensors go)."""
+    eng = getattr(worker, "weight_transfer_engine", None)
+    if isinstance(eng, RayReshardWeightTransferEngine):
+        eng.forget(key)
 
 
 def _release(actor, key: str, round_no: int, error: Optional[str]) -> None:
@@ -391,17 +506,20 @@ def _release(actor, key: str, round_no: int, error: Optional[str]) -> None:
 def plan_specs(config: Any, train, infer, described: list[dict], dtype=torch.bfloat16,
                train_dtype: Optional[torch.dtype] = None,
                quantization: Optional[list[dict]] = None,
-               parallel: Optional[list[dict]] = None) -> tuple[dict, list[dict]]:
+               parallel: Optional[list[dict]] = None,
+               engine_configs: Optional[list] = None) -> tuple[dict, list[dict]]:
     """Specs of a refit into live vLLM workers, and each worker's staging tensors.
 
     `described[r]` is worker r's `describe()` (name -> {shape, dtype, why}), `quantization[r]`
-    its `quantization()`, `parallel[r]` its engine's parallel sizes. Pieces whose storage a
+    its `quantization()`, `parallel[r]` its engine's parallel sizes, `engine_configs[r]` the HF
+    config it serves (compared with `config`: any difference in a parameter's shape or meaning
+    is refused, see `config_differences`). Pieces whose storage a
     worker does not write in place go whole (HF tensor, replicated to every rank holding the
     piece) to ``full:<hf name>`` staging tensors; block-FP8 pieces go as the checkpoint holds
     them, FP8 weights quantised by the senders plus ``<hf name>_scale_inv``. Raises, naming the
     rank and the parameter, when the engine runs another layout than `infer`, or a worker lacks
     a parameter the recipe expects, or holds an in-place one with another shape or dtype, or
-    serves another quantization than `infer` describes."""
+    serves another quantization than `infer` describes, or another model config than `config`."""
     if len(described) != infer.world:
         raise ValueError(f"{infer} has {infer.world} ranks but the engines have "
                          f"{len(described)} workers")
@@ -412,6 +530,7 @@ def plan_specs(config: Any, train, infer, described: list[dict], dtype=torch.bfl
                              f"pp={infer.pp}")
     for r, q in enumerate(quantization or ()):
         _check_quantization(r, q, infer)
+    _check_configs(config, engine_configs)
     # HF expert naming of the trainers' storages where they name them (FSDP: transformers'
     # modules), else the checkpoints' split experts; fallback pieces keep that naming
     hf_experts = getattr(train, "hf_experts", None) or "split"
@@ -458,6 +577,22 @@ def plan_specs(config: Any, train, infer, described: list[dict], dtype=torch.bfl
                 staging[r][spec.quant.scale_storage(hf_name)] = (
                     spec.quant.scale_shape(hf_shapes[pc.hf]), "float32")
     return specs, staging
+
+
+def _check_configs(config: Any, engine_configs: Optional[list]) -> None:
+    """The trainer's model config is the one every worker serves (shapes and meaning)."""
+    problems = []
+    for r, served in enumerate(engine_configs or ()):
+        if served is None:
+            problems.append(f"vLLM worker {r} did not report the config it serves "
+                            f"(model_config.hf_config)")
+            continue
+        diffs = config_differences(config, served)
+        if diffs:
+            problems.append(f"vLLM worker {r} serves another model config than the trainer's "
+                            f"(trainer vs engine): " + "; ".join(diffs))
+    if problems:
+        raise ValueError("refit refused before moving any byte:\n  " + "\n  ".join(problems))
 
 
 def _check_quantization(rank: int, q: dict, infer) -> None:
@@ -529,6 +664,7 @@ class RayReshardTrainerEngine(TrainerWeightTransferEngine[RayReshardTrainerInitI
         self.round = 0
         self.last = None
         self.views: list = []
+        self.engines: list = []
         self.fallback: dict = {}
         self._decisions: list[dict] = []
 
@@ -560,19 +696,26 @@ class RayReshardTrainerEngine(TrainerWeightTransferEngine[RayReshardTrainerInitI
             raise ValueError("RayReshardTrainerInitInfo.engines: the vLLM engine actors (or a "
                              "client with .handles, e.g. RayVLLMWeightSyncClient)")
         client.init_weight_transfer_engine({"key": info.key})
-        engine._connect(list(engines))
+        try:
+            engine._connect(list(engines))
+        except BaseException:       # nothing stays open in the workers for a refused transfer
+            engine.engines = engine.engines or list(engines)
+            engine.shutdown()
+            raise
         return engine
 
     def _connect(self, engines: list) -> None:
         """Describe every worker, plan, allocate staging, reach every worker, open the group."""
         info, key = self.info, self.info.key
+        self.engines = list(engines)
         where = ray.get([e.__ray_call__.remote(_engine_where) for e in engines])
         reports = ray.get([e.__ray_call__.remote(_engine_rpc, _worker_describe, key, aid)
                            for e, (_, aid) in zip(engines, where)])
         flat = [rep for reps in reports for rep in reps]
         self.specs, staging = plan_specs(
             info.config, info.train, info.infer, [r["describe"] for r in flat], info.dtype,
-            info.train_dtype, [r["quantization"] for r in flat], [r["parallel"] for r in flat])
+            info.train_dtype, [r["quantization"] for r in flat], [r["parallel"] for r in flat],
+            [r["hf_config"] for r in flat])
         per_engine, off = [], 0
         for reps in reports:
             per_engine.append(staging[off:off + len(reps)])
@@ -594,7 +737,8 @@ class RayReshardTrainerEngine(TrainerWeightTransferEngine[RayReshardTrainerInitI
         self.fallback = {r: sorted(st) for r, st in enumerate(staging) if st}
         self._decisions = [
             {"rank": r, "name": name, "shape": d["shape"], "dtype": d["dtype"],
-             "route": "in place" if d["why"] is None else "fallback", "why": d["why"]}
+             "route": "in place" if d["why"] is None else "fallback", "why": d["why"],
+             "tied": d.get("tied")}
             for r, rep in enumerate(flat) for name, d in sorted(rep["describe"].items())]
         self.group = rr.ReshardGroup(self.src_actors, handles,
                                      tensors=functools.partial(local_tensors, key),
@@ -602,7 +746,8 @@ class RayReshardTrainerEngine(TrainerWeightTransferEngine[RayReshardTrainerInitI
 
     def report(self) -> list[dict]:
         """Per worker rank and parameter: shape, dtype, route ("in place" or "fallback": through
-        vLLM's load_weights) and why (see `route`); `format_report` prints it."""
+        vLLM's load_weights), why (see `route`) and the parameter it is tied to, if any;
+        `format_report` prints it."""
         return list(self._decisions)
 
     def send_weights(self) -> None:
@@ -626,7 +771,7 @@ class RayReshardTrainerEngine(TrainerWeightTransferEngine[RayReshardTrainerInitI
             started = True
             self.last = self.group.refit(self.specs, timeout_s=self.info.timeout_s,
                                          atomic=self.info.atomic)
-            self.client.update_weights({"version": self.last.version})
+            self.client.update_weights({"version": self.last.version, "key": key})
             started = False
             self.client.finish_weight_update()
         except BaseException as e:
@@ -637,17 +782,25 @@ class RayReshardTrainerEngine(TrainerWeightTransferEngine[RayReshardTrainerInitI
                 except Exception:       # noqa: BLE001  (the first error is the one to report)
                     pass
             raise
-        finally:
+        finally:       # release the waiting ranks; a dead one (the refit named it) is skipped
             others = [a for i, a in enumerate(self.src_actors) if i != self.rank]
-            ray.get([a.__ray_call__.remote(_release, key, self.round, error) for a in others])
+            refs = [a.__ray_call__.remote(_release, key, self.round, error) for a in others]
+            ray.wait(refs, num_returns=len(refs), timeout=30)
 
     def shutdown(self) -> None:
+        """Close the group and the views, and the transfer in every engine worker (its staging
+        tensors go); an engine that is gone is skipped."""
         if self.group is not None:
             self.group.close()
             self.group = None
         for v in self.views:
             ray.kill(v)
         self.views = []
+        if self.engines:
+            refs = [e.__ray_call__.remote(_engine_rpc, _worker_forget, self.info.key)
+                    for e in self.engines]
+            ray.wait(refs, num_returns=len(refs), timeout=30)
+            self.engines = []
         forget(self.info.key, "tensors")
 
 

@@ -35,9 +35,10 @@ numbering: see each engine module (Megatron tp-cp-ep-dp-pp, tp fastest; vLLM dp,
 
 Helpers: `local_state` (a rank's storages from a full HF state dict, either side),
 `empty_storage` (destination storages, padded), `assemble_state_dict` (back to HF),
-`padding_mask`, `storage_shapes`, `tied_aliases`, `hf_parameter_shapes`.
+`padding_mask`, `storage_shapes`, `tied_aliases`, `hf_parameter_shapes`, `config_differences`
+(what two configs differ in that changes a parameter's shape or meaning).
 """
-from .config import FAMILIES, ModelDims, model_dims
+from .config import FAMILIES, ModelDims, config_differences, model_dims
 from .fsdp import FSDP, fsdp_local_tensors
 from .megatron import Megatron
 from .vllm import VLLM
@@ -48,7 +49,7 @@ from .recipe import (Recipe, assemble_state_dict, empty_storage, hf_parameter_sh
 
 __all__ = [
     "FAMILIES", "FSDP", "Megatron", "ModelDims", "Piece", "Recipe", "VLLM",
-    "assemble_state_dict", "empty_storage", "enumerate_pieces", "fsdp_local_tensors",
+    "assemble_state_dict", "config_differences", "empty_storage", "enumerate_pieces", "fsdp_local_tensors",
     "hf_parameter_shapes", "local_state", "logical_to_hf", "model_dims", "padding_mask",
     "refit_specs", "resolve_hf_experts", "storage_shapes", "tied_aliases",
 ]

@@ -151,3 +151,51 @@ def model_dims(config: Any) -> ModelDims:
                      q_lora_rank=None if q_lora is None else int(q_lora),
                      kv_lora_rank=need("kv_lora_rank"), qk_nope_dim=need("qk_nope_head_dim"),
                      qk_rope_dim=need("qk_rope_head_dim"), v_head_dim=need("v_head_dim"))
+
+
+# ModelDims field -> the config key(s) it comes from, for naming a difference
+_DIMS_KEYS = {
+    "family": "model_type", "vocab": "vocab_size", "hidden": "hidden_size",
+    "layers": "num_hidden_layers", "heads": "num_attention_heads",
+    "kv_heads": "num_key_value_heads", "head_dim": "head_dim",
+    "intermediate": "intermediate_size", "tie": "tie_word_embeddings",
+    "qkv_bias": "attention_bias", "o_bias": "attention_bias", "qk_norm": "model_type",
+    "experts": "num_experts / n_routed_experts", "moe_intermediate": "moe_intermediate_size",
+    "moe_layers": "MoE layers (decoder_sparse_step, mlp_only_layers, first_k_dense_replace, "
+                  "moe_layer_freq)",
+    "shared_intermediate": "n_shared_experts", "router_bias": "topk_method",
+    "mla": "model_type", "q_lora_rank": "q_lora_rank", "kv_lora_rank": "kv_lora_rank",
+    "qk_nope_dim": "qk_nope_head_dim", "qk_rope_dim": "qk_rope_head_dim",
+    "v_head_dim": "v_head_dim", "mtp_layers": "num_nextn_predict_layers",
+}
+# Keys that change what the weights mean without changing a shape, compared where both configs
+# give them. Left out on purpose: what inference may set apart from training (context length,
+# RoPE scaling, norm epsilon, dtype, generation settings).
+MEANING_KEYS = ("hidden_act", "num_experts_per_tok", "norm_topk_prob", "n_group", "topk_group",
+                "routed_scaling_factor", "scoring_func")
+
+
+def config_differences(config: Any, other: Any) -> list[str]:
+    """Every difference between two HF configs that changes a parameter's shape or meaning,
+    as "key: <config> vs <other>" lines (empty when a refit from one to the other is sound)."""
+    a, b = _as_dict(config), _as_dict(other)
+    out = []
+    if a.get("model_type") != b.get("model_type"):
+        return [f"model_type: {a.get('model_type')!r} vs {b.get('model_type')!r}"]
+    da, db = model_dims(a), model_dims(b)
+    seen = set()
+    for f in da.__dataclass_fields__:
+        va, vb = getattr(da, f), getattr(db, f)
+        if va == vb:
+            continue
+        key = _DIMS_KEYS.get(f, f)
+        if key in seen:
+            continue
+        seen.add(key)
+        if isinstance(va, frozenset):
+            va, vb = sorted(va), sorted(vb)
+        out.append(f"{key}: {va!r} vs {vb!r}")
+    for key in MEANING_KEYS:
+        if a.get(key) is not None and b.get(key) is not None and a[key] != b[key]:
+            out.append(f"{key}: {a[key]!r} vs {b[key]!r}")
+    return out

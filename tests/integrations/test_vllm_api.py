@@ -107,7 +107,8 @@ class Worker:
         self.model = build_model(rank)
         vllm_config = types.SimpleNamespace(
             parallel_config=types.SimpleNamespace(tensor_parallel_size=INFER.tp),
-            model_config=types.SimpleNamespace(dtype=torch.bfloat16, quantization=None))
+            model_config=types.SimpleNamespace(dtype=torch.bfloat16, quantization=None,
+                                               hf_config=CONFIG))
         self.weight_transfer_engine = WeightTransferEngineFactory.create_engine(
             WeightTransferConfig(backend="ray_reshard"), vllm_config, torch.device("cpu"),
             self.model)
@@ -392,3 +393,120 @@ def test_trainer_needs_its_local_shards():
     assert not engine.is_sender and engine.rank == 1
     from ray_reshard.integrations.engine_views import local_tensors
     assert set(local_tensors("local-source")) == {"w"}
+
+
+def _method(name, **attrs):
+    """An object whose class is named `name` (what the backend reads of a quant method)."""
+    return type(name, (), attrs)()
+
+
+class PackedGemm(torch.nn.Module):
+    """A module whose CPU GEMM computes with a packed copy made by its quant method's post-load
+    step (vLLM's CPU build), not with the weight it is handed."""
+
+    def __init__(self, weight, method="UnquantizedEmbeddingMethod"):
+        super().__init__()
+        self.weight = weight
+        self.packs = 0
+
+        def process(layer):
+            layer.packed = layer.weight.detach().clone()
+            layer.packs += 1
+        self.quant_method = _method(method, process_weights_after_loading=staticmethod(process))
+        self.quant_method.process_weights_after_loading(self)
+
+    def cpu_linear(self, x, weight, bias):
+        return torch.nn.functional.linear(x, self.packed, bias)
+
+
+def fake_model(tied=True, embedding_method="UnquantizedEmbeddingMethod"):
+    """An LM head (packed GEMM), an embedding (looked up from its parameter), tied or not; a
+    linear layer whose weight the platform released; a layer with a released weight and a
+    bias; MoE experts whose backend rearranges them; a norm."""
+    p = lambda *s: torch.nn.Parameter(torch.randn(*s), requires_grad=False)   # noqa: E731
+    root = torch.nn.Module()
+    root.model = torch.nn.Module()
+    emb = torch.nn.Module()
+    emb.weight = p(16, 4)
+    emb.quant_method = _method(embedding_method)
+    root.model.embed_tokens = emb
+    root.lm_head = PackedGemm(emb.weight if tied else p(16, 4))
+    root.model.proj = torch.nn.Module()
+    root.model.proj.weight = p(0)
+    root.model.biased = torch.nn.Module()
+    root.model.biased.weight = p(0)
+    root.model.biased.bias = p(4)
+    experts = torch.nn.Module()
+    experts.w13_weight, experts.w2_weight = p(2, 8, 4), p(2, 4, 4)
+    experts.quant_method = _method("UnquantizedFusedMoEMethod",
+                                   unquantized_backend=types.SimpleNamespace(name="FLASHINFER"))
+    root.model.experts = experts
+    root.model.norm = torch.nn.Module()
+    root.model.norm.weight = p(4)
+    return root
+
+
+def test_route_decides_per_parameter_from_what_the_forward_pass_reads():
+    """The backend's decisions on stand-in modules: norms and an embedding lookup in place; a
+    released weight, its module's other parameters, rearranged experts and an untied LM head
+    reading a packed copy through load_weights; a tied LM head in place with its embedding, its
+    packed copy rebuilt from the new bytes after the update."""
+    from ray_reshard.integrations.vllm import PACKED_COPY, describe_model
+
+    out, exposed, fallback, repack = describe_model(fake_model(tied=False), quantized=False)
+    why = {n: d["why"] for n, d in out.items()}
+    assert why["model.norm.weight"] is None and why["model.embed_tokens.weight"] is None
+    assert why["lm_head.weight"] == PACKED_COPY
+    assert "released after loading" in why["model.proj.weight"]
+    assert why["model.biased.bias"].startswith("its module is reloaded as a whole (weight: ")
+    assert "rearranges expert weights" in why["model.experts.w13_weight"]
+    assert "rearranges expert weights" in why["model.experts.w2_weight"]
+    assert set(exposed) == {"model.norm.weight", "model.embed_tokens.weight"}
+    assert repack == [] and {"lm_head", "model.proj", "model.biased", "model.experts"} <= fallback
+
+    model = fake_model(tied=True)
+    out, exposed, fallback, repack = describe_model(model, quantized=False)
+    assert out["lm_head.weight"]["why"] is None
+    assert out["lm_head.weight"]["tied"] == "model.embed_tokens.weight"
+    assert repack == ["lm_head"] and "lm_head" not in fallback
+    # the tied head of a quantized model, or one whose embedding must be reloaded, goes with it
+    out, *_ = describe_model(fake_model(tied=True), quantized=True)
+    assert all(d["why"] is not None for d in out.values())
+    out, exposed, _, repack = describe_model(fake_model(tied=True, embedding_method="Quirky"),
+                                             quantized=False)
+    assert out["model.embed_tokens.weight"]["why"] == "Quirky processes weights after loading"
+    assert out["lm_head.weight"]["why"] == PACKED_COPY       # reloaded on its own account
+    assert repack == [] and "model.embed_tokens.weight" not in exposed
+    # an alias read in place whose tensor another alias must reload follows it
+    model = fake_model(tied=True)
+    model.model.embed_tokens.quant_method = _method("UnquantizedEmbeddingMethod")
+    model.lm_head.quant_method = _method("Quirky")
+    out, *_ = describe_model(model, quantized=False)
+    assert out["model.embed_tokens.weight"]["why"] == ("tied to lm_head.weight, which goes "
+                                                       "through load_weights")
+
+
+def test_a_tied_heads_packed_copy_follows_the_embedding_written_in_place():
+    from vllm.config.weight_transfer import WeightTransferConfig
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+
+    from ray_reshard.integrations.vllm import RayReshardInitInfo, register, writable
+    register()
+    model = fake_model(tied=True)
+    vllm_config = types.SimpleNamespace(
+        parallel_config=types.SimpleNamespace(tensor_parallel_size=1),
+        model_config=types.SimpleNamespace(dtype=torch.float32, quantization=None))
+    eng = WeightTransferEngineFactory.create_engine(
+        WeightTransferConfig(backend="ray_reshard"), vllm_config, torch.device("cpu"), model)
+    eng.init_transfer_engine(RayReshardInitInfo(key="tied"))
+    eng.describe("tied")
+    new = torch.randn(16, 4)
+    x = torch.randn(3, 4)
+    eng.start_weight_update()
+    writable(eng.tensors("tied")["model.embed_tokens.weight"]).copy_(new)
+    eng.update_weights({"version": 1, "key": "tied"})
+    assert not torch.equal(model.lm_head.cpu_linear(x, None, None), x @ new.T)  # stale copy
+    eng.finish_weight_update()
+    assert eng.repacked == ["lm_head"]
+    assert torch.equal(model.lm_head.cpu_linear(x, None, None), x @ new.T)
+    eng.forget("tied")

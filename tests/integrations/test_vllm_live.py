@@ -10,9 +10,10 @@ import pytest
 import ray
 import torch
 
-from live import (DEEPSEEK_V3, MAX_TOKENS, PROMPTS, QWEN3, QWEN3_MOE, FSDPTrainer, ShardTrainer,
-                  assert_same_generation, checkpoint_state, fresh_engine_reference, perturbed,
-                  reference, require_vllm)
+from live import (DEEPSEEK_V3, LLAMA_BIAS, MAX_TOKENS, PROMPTS, QWEN3_MOE, QWEN3_MOE_TIED,
+                  QWEN3_TIED, FSDPTrainer, ShardTrainer, assert_same_generation,
+                  checkpoint_state, fresh_engine_reference, perturbed, random_state, reference,
+                  require_vllm)
 
 from ray_reshard.models import FSDP, VLLM, Megatron, local_state
 
@@ -20,15 +21,18 @@ from ray_reshard.models import FSDP, VLLM, Megatron, local_state
 pytestmark = [pytest.mark.vllm_live, pytest.mark.timeout(900)]
 
 CASES = [  # (model, engine TP, trainer layout)
-    ("qwen3", 1, Megatron(tp=2)),
-    ("qwen3", 2, Megatron(pp=2)),
-    ("qwen3_moe", 1, Megatron(ep=2, dp=2)),
+    ("qwen3_tied", 1, Megatron(tp=2)),
+    ("qwen3_tied", 2, Megatron(pp=2)),
+    ("llama_bias", 2, Megatron(tp=2, pp=2)),
+    ("qwen3_moe_tied", 1, Megatron(pp=2, dp=2, ep=2)),
     ("qwen3_moe", 2, Megatron(tp=2, ep=2, etp=1)),
     ("deepseek_v3", 1, Megatron(tp=2, ep=2, etp=1)),
 ]
-CONFIGS = {"qwen3": QWEN3, "qwen3_moe": QWEN3_MOE, "deepseek_v3": DEEPSEEK_V3}
+CONFIGS = {"qwen3_tied": QWEN3_TIED, "llama_bias": LLAMA_BIAS, "qwen3_moe": QWEN3_MOE,
+           "qwen3_moe_tied": QWEN3_MOE_TIED, "deepseek_v3": DEEPSEEK_V3}
 # Weights to refit: the checkpoint's plus noise of this scale.
-SCALE = {"qwen3": 0.05, "qwen3_moe": 0.05, "deepseek_v3": 0.3}
+SCALE = {"qwen3_tied": 0.05, "llama_bias": 0.05, "qwen3_moe": 0.05, "qwen3_moe_tied": 0.05,
+         "deepseek_v3": 0.3}
 # DeepSeek-V3 on vLLM's CPU build does not generate as transformers does, whoever loads the
 # weights (a new engine started from the checkpoint does not match transformers' tokens at these
 # weights): its reference is a new vLLM engine started from the same weights, which the refit
@@ -99,17 +103,23 @@ def test_refit_then_generate_equals_transformers(live):
 
     # every decision as the CPU build requires: norms, the embedding lookup, MLA's kv_b_proj
     # (its GEMM reads the parameter) and MLA's derived W_UK_T / W_UV read their parameters (in
-    # place); other linear weights are released and repacked, the LM head's logits read a
-    # packed copy, MoE experts are prepacked, the router's bias is reloaded with its released
-    # weight (all through load_weights)
+    # place), and so does a tied LM head (its packed copy rebuilt from the embedding); other
+    # linear weights and their biases are released and repacked, an untied LM head's logits
+    # read a packed copy, MoE experts are prepacked, the router's bias is reloaded with its
+    # released weight (all through load_weights)
+    tied = live["cfg"].get("tie_word_embeddings")
     for row in report:
         name, why = row["name"], row["why"] or ""
         if name.endswith(("norm.weight", "kv_b_proj.weight", ".W_UK_T", ".W_UV")) or \
-                name == "model.embed_tokens.weight":
+                name == "model.embed_tokens.weight" or (tied and name == "lm_head.weight"):
             assert row["route"] == "in place", row
+            if tied and name in ("lm_head.weight", "model.embed_tokens.weight"):
+                assert row["tied"] in ("lm_head.weight", "model.embed_tokens.weight"), row
             continue
         assert row["route"] == "fallback", row
-        if name == "lm_head.weight":
+        if name.endswith("_proj.bias"):
+            assert "reloaded as a whole" in why, row
+        elif name == "lm_head.weight":
             assert "packed copy" in why, row
         elif ".experts." in name:
             assert "rearranges expert weights" in why, row
@@ -141,12 +151,12 @@ def test_refused_refit_leaves_the_engine_serving_as_before(live):
         ray.kill(t)
 
 
-@pytest.mark.parametrize("live", [CASES[1], CASES[2]], indirect=True,
-                         ids=["qwen3-tp2", "qwen3_moe-tp1"])
-def test_fsdp2_trainers_refit_a_live_engine(live):
+@pytest.mark.parametrize("live, world", [(CASES[1], 3), (CASES[3], 2)],
+                         indirect=["live"], ids=["qwen3_tied-tp2-fsdp3", "qwen3_moe_tied-tp1"])
+def test_fsdp2_trainers_refit_a_live_engine(live, world):
     """torch FSDP2 trainers (gloo, Hugging Face names: transformers' fused experts for MoE) take
-    an optimizer step and refit the engine from their shards; it then generates as transformers
-    does on their full_tensor()."""
+    an optimizer step and refit the engine from their shards (on 3 ranks: uneven shards); it
+    then generates as transformers does on their full_tensor()."""
     import socket
 
     from ray_reshard.integrations.vllm_engine import generate
@@ -154,7 +164,6 @@ def test_fsdp2_trainers_refit_a_live_engine(live):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    world = 2
     trainers = [FSDPTrainer.remote(r, world, f"tcp://127.0.0.1:{port}", live["path"])
                 for r in range(world)]
     losses = ray.get([t.step.remote(1) for t in trainers])
@@ -168,3 +177,77 @@ def test_fsdp2_trainers_refit_a_live_engine(live):
     assert_same_generation(generate(live["engine"], PROMPTS, MAX_TOKENS),
                            reference(live["path"], full))
     ray.get([t.close.remote() for t in trainers])
+
+
+@pytest.mark.parametrize("live", [CASES[0]], indirect=True, ids=["qwen3_tied-tp1"])
+@pytest.mark.parametrize("delta", [64, -64], ids=["larger", "smaller"])
+def test_a_trainer_of_another_config_is_refused(live, delta):
+    """Trainers built for another intermediate_size are refused before any byte moves, naming
+    the field; the engine generates exactly as before."""
+    from ray_reshard.integrations.vllm_engine import generate
+
+    engine = live["engine"]
+    before = generate(engine, PROMPTS, MAX_TOKENS)
+    cfg = dict(live["cfg"], intermediate_size=live["cfg"]["intermediate_size"] + delta)
+    sd = random_state(cfg, seed=5)
+    train = live["train"]
+    trainers = [ShardTrainer.remote(r, local_state(cfg, train, "src", r, sd, dtype=torch.float32,
+                                                   hf_experts="split"))
+                for r in range(train.world)]
+    want = f"intermediate_size: {cfg['intermediate_size']} vs {live['cfg']['intermediate_size']}"
+    with pytest.raises(Exception, match=f"(?s)refused before moving any byte.*worker 0 serves "
+                                        f"another model config.*{want}"):
+        ray.get([t.init.remote(trainers, [engine], cfg, train, live["infer"], torch.float32,
+                               f"foreign{delta}") for t in trainers])
+    assert generate(engine, PROMPTS, MAX_TOKENS) == before
+    for t in trainers:
+        ray.kill(t)
+
+
+@pytest.mark.parametrize("live", [CASES[0]], indirect=True, ids=["qwen3_tied-tp1"])
+def test_failures_after_the_update_started_leave_an_engine_a_new_transfer_refits(live):
+    """A round that fails after start_weight_update (a trainer rank whose shards cannot be
+    read; a trainer rank that died) raises on the sender, the engine still generates as before,
+    and a new transfer refits it exactly."""
+    from ray_reshard.integrations.vllm_engine import generate
+
+    engine = live["engine"]
+    before = generate(engine, PROMPTS, MAX_TOKENS)
+    new = perturbed(live["base"], seed=7)
+    for fault in ("unreadable", "dead"):
+        trainers = trainers_for(live, new)
+        init_all(trainers, live, key=f"fault-{fault}")
+        if fault == "unreadable":
+            ray.get(trainers[1].break_tensors.remote())
+            match = "(?s)src rank 1.*TypeError"
+        else:
+            ray.kill(trainers[1])
+            match = "src rank 1"
+        with pytest.raises(Exception, match=match):
+            ray.get(trainers[0].send.remote())
+        assert generate(engine, PROMPTS, MAX_TOKENS) == before, fault
+        ray.get(trainers[0].close.remote())
+        for t in trainers:
+            ray.kill(t)
+    trainers = trainers_for(live, new)
+    init_all(trainers, live, key="after-faults")
+    assert ray.get([t.send.remote() for t in trainers])[0]["version"] >= 1
+    assert_same_generation(generate(engine, PROMPTS, MAX_TOKENS), *expected(live, new))
+    ray.get([t.close.remote() for t in trainers])
+
+
+@pytest.mark.parametrize("live", [CASES[0]], indirect=True, ids=["qwen3_tied-tp1"])
+def test_two_transfers_open_on_one_engine_keep_their_own_staging(live):
+    """Two trainer connections open on one engine (keys a and b): each round loads its own
+    staging tensors, so the engine serves whichever sent last, exactly."""
+    from ray_reshard.integrations.vllm_engine import generate
+
+    engine = live["engine"]
+    wa, wb = perturbed(live["base"], seed=11), perturbed(live["base"], seed=12)
+    a, b = trainers_for(live, wa), trainers_for(live, wb)
+    init_all(a, live, key="a")
+    init_all(b, live, key="b")
+    for trainers, weights in ((b, wb), (a, wa)):
+        ray.get([t.send.remote() for t in trainers])
+        assert_same_generation(generate(engine, PROMPTS, MAX_TOKENS), *expected(live, weights))
+    ray.get([t.close.remote() for t in a + b])
