@@ -4,6 +4,13 @@ The usual refit of RL frameworks, implemented honestly so benchmarks compare aga
 version: tensors are bucketed (up to bucket_bytes of whole tensors per collective), all-gather
 runs among one replica of each source shard, and broadcast runs from one source to every
 destination rank that holds any of the tensor. Every destination materialises whole tensors.
+
+Bytes are reported as the collectives move them: each process counts what it receives, from
+the peer that sends it, as network bytes where that peer is in another domain and as domain
+bytes where it is in the same one. gloo's all-gather is a ring in group order (each member
+receives the others' padded chunks from its left neighbour) and its broadcast a binomial tree
+rooted at the source (a receiver may relay to a peer of its own domain); NCCL's collectives are
+counted as rings that visit each domain's ranks together.
 """
 from __future__ import annotations
 
@@ -68,25 +75,74 @@ def build_steps(plan: Plan, ep_pid: dict, pid: int, bucket_bytes: int) -> list[S
     return steps
 
 
+def binomial_parent(vrank: int, size: int) -> int:
+    """The member that sends to `vrank` in gloo's binomial-tree broadcast of `size` members
+    rooted at 0 (gloo/broadcast.cc): the rank with `vrank`'s highest set bit cleared."""
+    if not 0 < vrank < size:
+        raise ValueError(f"vrank must be in 1..{size - 1}, got {vrank}")
+    return vrank ^ (1 << (vrank.bit_length() - 1))
+
+
+def broadcast_parent(members: tuple, me: int, domain_of: dict, ring: bool) -> int:
+    """Which member sends the broadcast's bytes to member `me` (`members[0]` the root):
+    gloo's binomial tree, or (`ring`, NCCL) a chain that visits each domain's members together,
+    the root's domain first."""
+    if not ring:
+        return members[binomial_parent(members.index(me), len(members))]
+    doms = list(dict.fromkeys(domain_of[p] for p in members))
+    order = [members[0]] + [p for d in doms for p in members[1:] if domain_of[p] == d]
+    return order[order.index(me) - 1]
+
+
+def gather_sender(members: tuple, me: int, domain_of: dict, ring: bool) -> int:
+    """Which member sends member `me` the all-gather's chunks: its left neighbour in the ring
+    (gloo: group order; NCCL: each domain's members together)."""
+    order = members
+    if ring:
+        doms = list(dict.fromkeys(domain_of[p] for p in members))
+        order = tuple(p for d in doms for p in members if domain_of[p] == d)
+    return order[order.index(me) - 1]
+
+
+def process_domains(plan: Plan, ep_pid: dict) -> dict:
+    """Process index -> its domain (the plan's domain of any endpoint it holds)."""
+    doms = {}
+    for ep, p in ep_pid.items():
+        table = plan.topology.src_domains if ep.side == "src" else plan.topology.dst_domains
+        doms.setdefault(p, table[ep.rank])
+    return doms
+
+
 def execute(wg, prog, views: dict, deadline: float) -> dict:
     plan: Plan = prog.plan
     my_eps = wg.endpoints
     peak = 0
-    moved = 0
+    moved = {"network": 0, "domain": 0, "local": 0}
+    domain_of = process_domains(plan, wg.ep_pid)
+    ring = getattr(wg.pg, "pg_backend", "gloo") == "nccl"
+
+    def path_from(sender: int) -> str:
+        return "domain" if domain_of[sender] == domain_of[wg.pid] else "network"
+
     for step in prog.gb_steps:
         in_gather, in_bcast = wg.pid in step.gather, wg.pid in step.bcast
         if not (in_gather or in_bcast):
             continue
         full = None
         if in_gather:
-            full = _all_gather(wg, plan, step, views, deadline)
+            full, width = _all_gather(wg, plan, step, views, deadline)
+            if len(step.gather) > 1:
+                moved[path_from(gather_sender(step.gather, wg.pid, domain_of, ring))] += \
+                    (len(step.gather) - 1) * width
             peak = max(peak, 2 * step.nbytes)
         if in_bcast:
             root = wg.pid == step.bcast[0]
             if not root:
                 full = torch.empty(step.nbytes, dtype=torch.uint8, device=wg.device)
             _broadcast(wg, step, full, deadline)
-            moved += 0 if root else step.nbytes
+            if not root:
+                moved[path_from(broadcast_parent(step.bcast, wg.pid, domain_of, ring))] += \
+                    step.nbytes
             peak = max(peak, step.nbytes)
             off = 0
             for ti in step.tensors:
@@ -99,12 +155,14 @@ def execute(wg, prog, views: dict, deadline: float) -> dict:
                 off += _aligned(spec.nbytes)
     if wg.device.type == "cuda":
         torch.cuda.synchronize(wg.device)
-    return {"bytes_by_path": {"network": moved, "domain": 0, "local": 0}, "recv_bytes": moved,
+    return {"bytes_by_path": moved, "recv_bytes": moved["network"] + moved["domain"],
             "sent_bytes": 0, "peak_staging_bytes": peak, "transfers": len(prog.gb_steps)}
 
 
-def _all_gather(wg, plan: Plan, step: Step, views: dict, deadline: float) -> torch.Tensor:
-    """Every gather member ends with the step's whole tensors (destination dtype), flat."""
+def _all_gather(wg, plan: Plan, step: Step, views: dict, deadline: float
+                ) -> tuple[torch.Tensor, int]:
+    """Every gather member ends with the step's whole tensors (destination dtype), flat; also
+    returns the bytes of each member's (padded) chunk."""
     me = step.gather.index(wg.pid)
     # An actor appears at most once per side: its process rank names its source rank.
     src_rank = {p: ep.rank for ep, p in wg.ep_pid.items() if ep.side == "src"}
@@ -138,7 +196,7 @@ def _all_gather(wg, plan: Plan, step: Step, views: dict, deadline: float) -> tor
             whole[box.slices()].copy_(outs[m][goff:goff + n].view(spec.dtype).view(box.sizes))
         off += _aligned(spec.nbytes)
         goff += w
-    return full
+    return full, width
 
 
 def _broadcast(wg, step: Step, full: torch.Tensor, deadline: float) -> None:
