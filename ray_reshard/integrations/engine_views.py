@@ -57,6 +57,7 @@ def local_tensors(key: str, actor=None) -> dict:
     if "engine" in ent:
         out.update(ent["engine"].tensors(key))
     if "view" in ent:
+        ent["view_check"]()
         out.update(ent["view"])
     return out
 
@@ -76,7 +77,7 @@ def export_tensors(tensors: Mapping[str, torch.Tensor]) -> dict:
     for name, t in tensors.items():
         if t.device.type == "cuda":
             from torch.multiprocessing.reductions import reduce_tensor
-            out[name] = ("cuda", reduce_tensor(t)[1])
+            out[name] = ("cuda", reduce_tensor(t)[1], pid)
             continue
         if t.device.type != "cpu":
             raise ValueError(f"{name}: cannot share a tensor on {t.device} with another process")
@@ -88,6 +89,24 @@ def export_tensors(tensors: Mapping[str, torch.Tensor]) -> dict:
         out[name] = ("cpu", pid, int(fd), int(nbytes), t.storage_offset(), tuple(t.shape),
                      tuple(t.stride()), str(t.dtype))
     return out
+
+
+def exporter_pids(exported: Mapping[str, tuple]) -> set:
+    """The processes whose memory `export_tensors` described."""
+    return {d[1] if d[0] == "cpu" else d[2] for d in exported.values() if d[0] in ("cpu", "cuda")}
+
+
+def process_start(pid: int):
+    """The start time of process `pid` (clock ticks since boot), or None when it is gone or a
+    zombie: with the pid, it names one process even after the pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    if fields[0] in ("Z", "X"):          # state: killed, not yet reaped
+        return None
+    return int(fields[19])
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -102,7 +121,7 @@ def import_tensors(exported: Mapping[str, tuple], _storages: dict | None = None)
         kind = desc[0]
         if kind == "cuda":
             from torch.multiprocessing.reductions import rebuild_cuda_tensor
-            out[name] = rebuild_cuda_tensor(*desc[1])
+            out[name] = rebuild_cuda_tensor(*desc[1])      # desc[2]: the exporting process
         elif kind == "empty":
             out[name] = torch.empty(desc[1], dtype=_dtype(desc[2]))
         elif kind == "cpu":
@@ -126,12 +145,28 @@ class WorkerView:
     def __init__(self, key: str, rank: int, exported: Mapping[str, tuple]):
         self.key, self.rank = key, rank
         self._storages: dict = {}
+        self._owners: dict = {}
         self.tensors = import_tensors(exported, self._storages)
-        entry(key)["view"] = self.tensors
+        self._watch(exported)
+        ent = entry(key)
+        ent["view"], ent["view_check"] = self.tensors, self.check
+
+    def _watch(self, exported: Mapping[str, tuple]) -> None:
+        for pid in exporter_pids(exported):
+            self._owners.setdefault(pid, process_start(pid))
 
     def add(self, exported: Mapping[str, tuple]) -> None:
         """Map more of the worker's tensors (its staging tensors, once allocated)."""
         self.tensors.update(import_tensors(exported, self._storages))
+        self._watch(exported)
+
+    def check(self) -> None:
+        """Raise unless every process whose memory this view maps is the one that exported it
+        and still runs: writes into a dead worker's memory would reach nobody."""
+        for pid, start in self._owners.items():
+            if start is None or process_start(pid) != start:
+                raise RuntimeError(f"engine worker {self.rank} (process {pid}) is gone: this "
+                                   f"view maps memory no engine reads any more")
 
     def where(self) -> tuple:
         return ray.get_runtime_context().get_node_id(), os.getpid()

@@ -364,6 +364,11 @@ class TensorSpec:
         return self.numel * self.itemsize
 
     @property
+    def source_nbytes(self) -> int:
+        """Bytes of all its elements in the source dtype (what the sources hold of it, once)."""
+        return self.numel * _itemsize(self.source_dtype)
+
+    @property
     def signature(self) -> tuple:
         """What the plan's shape depends on: tensors with equal signatures share one plan."""
         if self.quant is not None:
@@ -419,6 +424,11 @@ class TensorSpec:
 
     def _validate_layouts(self, name: str) -> None:
         """Every check of `validate` but where the slots sit."""
+        width = max(_itemsize(self.dtype), _itemsize(self.source_dtype))
+        if self.numel * width >= MAX_TENSOR_BYTES:
+            raise ValueError(f"{name!r}: shape {self.shape} holds {self.numel} elements "
+                             f"({self.numel * width} bytes of {self.source_dtype}): more than "
+                             f"any tensor can (2**63 bytes)")
         for side in ("src", "dst"):
             lay = self.layout(side)
             lay.validate_for(self.shape, f"{name!r} ({side} layout)")
@@ -440,6 +450,8 @@ def _quant():
 
 _ITEMSIZE: dict = {}
 _COPYABLE: dict = {}
+# torch indexes a tensor's bytes with 64-bit signed integers
+MAX_TENSOR_BYTES = 1 << 63
 
 
 def _copyable(src: torch.dtype, dst: torch.dtype) -> bool:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import time
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -206,7 +207,8 @@ class Plan:
         self._spec_columns = state.pop("spec_columns")
         self.__dict__.update(state)
 
-    def network_turns(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Optional[dict]:
+    def network_turns(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                      deadline: Optional[float] = None) -> Optional[dict]:
         """{(source rank, destination rank): the turns of that network pair's buckets} for
         buckets of `bucket_bytes` (see `assign_turns`; cached, and shipped with the plan once
         computed, so the processes compiling their shares do not each compute it).
@@ -215,12 +217,13 @@ class Plan:
         k, at its rotation): where the plan has more than TURNS_MAX_ENTRIES (tensor, network
         pair) entries, or where turns would not take at least TURNS_MIN_GAIN fewer positions
         than the rotation schedule occupies (its (round, rotation) positions holding a bucket:
-        a position one rank waits through for another costs about one bucket's time)."""
+        a position one rank waits through for another costs about one bucket's time).
+        Past `deadline` it stops with PlanTimeout."""
         cache = self.__dict__.setdefault("_turns", {})
         if bucket_bytes not in cache:
             turns = None
             if network_entries(self) <= TURNS_MAX_ENTRIES:
-                pairs = _network_buckets(self, bucket_bytes)
+                pairs = _network_buckets(self, bucket_bytes, deadline)
                 n_src, n_dst = self.topology.n_src, self.topology.n_dst
                 turns = assign_turns({pair: n for pair, (n, _) in pairs.items()},
                                      max(n_src, n_dst),
@@ -623,11 +626,14 @@ def network_bucket_counts(plan: "Plan", bucket_bytes: int) -> dict[tuple[int, in
     return {pair: n for pair, (n, _) in _network_buckets(plan, bucket_bytes).items()}
 
 
-def _network_buckets(plan: "Plan", bucket_bytes: int) -> dict[tuple[int, int], tuple[int, int]]:
+def _network_buckets(plan: "Plan", bucket_bytes: int, deadline: Optional[float] = None
+                     ) -> dict[tuple[int, int], tuple[int, int]]:
     """{network pair: (its buckets, its bytes)} (see `network_bucket_counts`)."""
     sizes: dict[tuple[int, int], list] = {}
     with gc_paused():
         for ti, tp in enumerate(plan.tensor_plans):
+            if deadline is not None and not ti % DEADLINE_EVERY:
+                check_deadline(deadline, "cutting network buckets")
             isz = plan.specs[ti].itemsize
             for s, d, piece_sizes in tp.network_pieces(max(1, bucket_bytes // isz), isz):
                 got = sizes.get((s, d))
@@ -867,23 +873,16 @@ def _transfer(isz, key, src, dst, path, items: list, nbytes: int) -> Transfer:
 def plan(specs: Mapping[str, TensorSpec], src_domains: Optional[Sequence[Any]] = None,
          dst_domains: Optional[Sequence[Any]] = None, *, src_devices: Optional[Sequence[Any]] = None,
          dst_devices: Optional[Sequence[Any]] = None, n_src: Optional[int] = None,
-         n_dst: Optional[int] = None) -> Plan:
+         n_dst: Optional[int] = None, deadline: Optional[float] = None) -> Plan:
     """Plan a refit of `specs` (name -> TensorSpec).
 
     `src_domains[i]` / `dst_domains[j]` name the NVLink domain of source rank i / destination
     rank j (equal ids on both sides = one domain); without them every rank is its own domain.
     `*_devices` name devices the same way (equal ids = same device: a local copy). The number of
     ranks per side comes from the domain lists, else from `n_src`/`n_dst`, else the meshes.
+    Past `deadline` (a `time.monotonic()` value) planning stops with PlanTimeout.
     """
-    if not isinstance(specs, Mapping):
-        raise TypeError(f"specs must be a mapping of name -> TensorSpec, got {type(specs).__name__}")
-    if not specs:
-        raise ValueError("empty spec set: nothing to refit")
-    for name, spec in specs.items():
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"tensor names must be non-empty strings, got {name!r}")
-        if not isinstance(spec, TensorSpec):
-            raise TypeError(f"{name!r}: expected a TensorSpec, got {type(spec).__name__}")
+    check_spec_set(specs)
     src_domains, dst_domains, src_devices, dst_devices = (
         None if v is None else tuple(v) for v in (src_domains, dst_domains, src_devices, dst_devices))
     n_src = _side_size("src", specs, src_domains, src_devices, n_src)
@@ -902,7 +901,9 @@ def plan(specs: Mapping[str, TensorSpec], src_domains: Optional[Sequence[Any]] =
     # Planning allocates only acyclic objects (hundreds of thousands of moves at scale): the
     # cyclic collector would rescan the growing heap again and again for nothing.
     with gc_paused(keep=True):
-        for name, spec in specs.items():
+        for i, (name, spec) in enumerate(specs.items()):
+            if deadline is not None and not i % DEADLINE_EVERY:
+                check_deadline(deadline, f"planning ({i} of {len(specs)} tensors planned)")
             ss, ds, quant = spec.src_slots, spec.dst_slots, spec.quant
             key = (spec.shape, spec.dtype, id(spec.src), id(spec.dst),
                    None if ss is None else id(ss.ranks), None if ds is None else id(ds.ranks),
@@ -925,6 +926,32 @@ def plan(specs: Mapping[str, TensorSpec], src_domains: Optional[Sequence[Any]] =
                 raise PlanError(f"{name!r}: {e}") from None
             tensor_plans.append(tp)
     return Plan(specs, topo, tensor_plans)
+
+
+def check_spec_set(specs: Mapping[str, TensorSpec]) -> None:
+    """Raise unless `specs` is a non-empty mapping of non-empty names to TensorSpecs."""
+    if not isinstance(specs, Mapping):
+        raise TypeError(f"specs must be a mapping of name -> TensorSpec, got {type(specs).__name__}")
+    if not specs:
+        raise ValueError("empty spec set: nothing to refit")
+    for name, spec in specs.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"tensor names must be non-empty strings, got {name!r}")
+        if not isinstance(spec, TensorSpec):
+            raise TypeError(f"{name!r}: expected a TensorSpec, got {type(spec).__name__}")
+
+
+class PlanTimeout(TimeoutError):
+    """Planning ran past the refit's deadline."""
+
+
+# Planning loops look at the clock once per this many tensors.
+DEADLINE_EVERY = 256
+
+
+def check_deadline(deadline: float, what: str) -> None:
+    if time.monotonic() > deadline:
+        raise PlanTimeout(f"the refit's deadline passed during {what}")
 
 
 @contextmanager

@@ -14,7 +14,8 @@ import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
 from ..planning.plan import (DEFAULT_BUCKET_BYTES, DEFAULT_STAGING_BYTES, MAX_WINDOW, Plan,
-                             PlanStats, default_window, gc_paused, plan as make_plan)
+                             PlanStats, PlanTimeout, check_spec_set, default_window, gc_paused,
+                             plan as make_plan)
 from ..planning.planner import Endpoint
 from ..layout.spec import TensorSpec
 from ..errors import GroupStateLost, RefitError, TransportError
@@ -154,6 +155,7 @@ class ReshardGroup:
         self.src_actors, self.dst_actors = list(src_actors), list(dst_actors)
         self.group_id = uuid.uuid4().hex
         self._broken: Optional[str] = None
+        self._recoverable = False       # no member died or lost its state in that failure
         self._hung: set = set()         # processes that missed a deadline (maybe still busy)
         # spec items -> (program id, plan, its ring pairs); least recently used first
         self._plans: OrderedDict = OrderedDict()
@@ -231,22 +233,52 @@ class ReshardGroup:
         with self._lock:
             return self._cached_plan(specs)[1]
 
-    def _cached_plan(self, specs: Mapping[str, TensorSpec]) -> tuple[int, Plan, bool]:
+    def _cached_plan(self, specs: Mapping[str, TensorSpec], deadline: Optional[float] = None
+                     ) -> tuple[int, Plan, bool]:
         """(program id, plan, whether it was planned now). Spec sets are compared whole, so
         two different sets never share a program; the least recently used beyond
-        `max_programs` are evicted, in the actors too."""
+        `max_programs` are evicted, in the actors too. A new spec set is first sized against
+        what the sources hold; with a `deadline`, planning is bounded by it (RefitError)."""
         items = _SpecSet(specs)
         hit = self._plans.get(items)
         if hit is not None:
             self._plans.move_to_end(items)
             return hit[0], hit[1], False
-        p = make_plan(specs, self.src_domains, self.dst_domains, src_devices=self.src_devices,
-                      dst_devices=self.dst_devices)
+        if deadline is not None:
+            self._check_sources_hold(specs, deadline)
+        try:
+            p = make_plan(specs, self.src_domains, self.dst_domains, src_devices=self.src_devices,
+                          dst_devices=self.dst_devices, deadline=deadline)
+            if deadline is not None and self.strategy == "reshard":
+                p.network_turns(self.bucket_bytes, deadline)     # computed once, shipped
+        except PlanTimeout as e:
+            raise RefitError(f"refit failed before moving any byte: {e} (the refit's deadline; "
+                             f"pass a larger timeout_s for a first refit of this many tensors)"
+                             ) from None
         _check_bucket(p, self.bucket_bytes)
         self._plans[items] = (next(self._program_ids), p)
         while len(self._plans) > self.max_programs:
             self._evict(self._plans.popitem(last=False)[1][0])
         return self._plans[items][0], p, True
+
+    def _check_sources_hold(self, specs: Mapping[str, TensorSpec], deadline: float) -> None:
+        """Refuse specs describing more bytes than the sources hold in all (an absurd shape
+        would otherwise cost the driver its memory while cutting buckets)."""
+        need = {name: s.source_nbytes for name, s in specs.items()}
+        total = sum(need.values())
+        holders = self.members.procs_of("src")
+        held = self._collect([self._procs[q].__ray_call__.remote(worker.held_bytes,
+                                                                 self.group_id)
+                              for q in holders],
+                             max(deadline - time.monotonic(), 0.0), "preflight", holders)
+        if any(h is None for h in held) or total <= sum(held):
+            return
+        largest = sorted(need, key=need.get, reverse=True)[:3]
+        raise ValueError(
+            f"refit refused before moving any byte: the specs describe {total} bytes of source "
+            f"tensors, but the source processes hold {sum(held)} bytes in all; largest: "
+            + ", ".join(f"{n!r} {specs[n].shape} {specs[n].source_dtype} ({need[n]} bytes)"
+                        for n in largest))
 
     def _evict(self, key: int) -> None:
         """Drop an evicted program in every actor, and the rings only it used."""
@@ -276,7 +308,7 @@ class ReshardGroup:
         # it (nothing here grows with the number of processes but the calls themselves) and
         # reports the largest bucket it sends each peer outside the network, to size rings.
         if self.strategy == "reshard":
-            p.network_turns(self.bucket_bytes)    # computed once here, shipped with the plan
+            p.network_turns(self.bucket_bytes)    # computed once, shipped with the plan
         with gc_paused():
             plan_ref = ray.put(p)
         refs = [a.__ray_call__.remote(worker.install, self.group_id, key, plan_ref, None,
@@ -385,6 +417,32 @@ class ReshardGroup:
             self._pending = PendingRefit(self, running)
             return self._pending
 
+    def _recover(self, timeout: Optional[float]) -> str:
+        """A refit failed earlier. Where no member died or lost its state in it and every
+        member answers within RECOVER_PROBE_S (the network is back, a busy member is free),
+        re-form the collective group and programs with the same actors, as update() does, and
+        return a note for the result's warnings; otherwise refuse, naming the failure."""
+        refuse = RefitError(f"this ReshardGroup failed earlier ({self._broken}); call update() "
+                            f"(same or replacement actors) or build a new one")
+        if not self._recoverable:
+            raise refuse
+        refs = [a.__ray_call__.remote(worker.probe) for a in self._procs]
+        ready, _ = ray.wait(refs, num_returns=len(refs),
+                            timeout=min(RECOVER_PROBE_S, timeout or RECOVER_PROBE_S))
+        if len(ready) < len(refs):
+            raise refuse
+        try:
+            pids = [info["pid"] for info in ray.get(refs)]
+        except Exception:       # noqa: BLE001  (died since: the refusal names the failure)
+            raise refuse from None
+        if any(pid != self._infos.get(actor_key(a), {}).get("pid")
+               for a, pid in zip(self._procs, pids)):
+            raise refuse        # restarted by Ray: its shards and group state are gone
+        why, t0 = self._broken, time.perf_counter()
+        self.update()
+        return (f"the collective group was re-formed with the same actors "
+                f"({time.perf_counter() - t0:.2f} s) after a refit failed: {why[:300]}")
+
     def _settle(self) -> None:
         """Finish an overlapped refit still in flight (its errors stay with its handle)."""
         pending, self._pending = getattr(self, "_pending", None), None
@@ -402,23 +460,23 @@ class ReshardGroup:
                delta: bool = False) -> dict:
         """Plan, install, validate, (capture,) and start every process's run."""
         self._check_usable()
-        if self._broken:
-            raise RefitError(f"this ReshardGroup failed earlier ({self._broken}); call update() "
-                             f"(same or replacement actors) or build a new one")
-        if not isinstance(specs, Mapping):
-            raise TypeError(f"specs must be a mapping of name -> TensorSpec, got "
-                            f"{type(specs).__name__}")
+        recovered = self._recover(timeout_s or self.timeout_s) if self._broken else None
+        check_spec_set(specs)
         _check_timeout(timeout_s)
         if not isinstance(delta, bool):
             raise TypeError(f"delta must be True or False, got {delta!r}")
         if delta and self.strategy != "reshard":
             raise ValueError(f"delta refits need the reshard strategy (this group uses "
                              f"{self.strategy!r}, which sends whole tensors)")
-        key, p, planned = self._cached_plan(specs)
-        # One deadline for the whole refit: installing programs (first refit of a spec set),
-        # checking local tensors, and running. A dead or stuck rank fails it in time, named.
-        timeout = timeout_s or self.timeout_s or default_timeout_s(p.stats.total_bytes)
-        deadline = time.monotonic() + timeout
+        # One deadline for the whole refit: sizing and planning a new spec set, installing its
+        # programs, checking local tensors, and running. A dead or stuck rank fails it in
+        # time, named. Without a timeout it follows the payload: the plan's, once known.
+        t_start = time.monotonic()
+        timeout = timeout_s or self.timeout_s
+        key, p, planned = self._cached_plan(specs, t_start + (
+            timeout or default_timeout_s(sum(s.source_nbytes for s in specs.values()))))
+        timeout = timeout or default_timeout_s(p.stats.total_bytes)
+        deadline = t_start + timeout
         self._install(key, p, timeout)
         version = self._version + 1
         t0 = time.perf_counter()
@@ -443,7 +501,7 @@ class ReshardGroup:
                                       snapshot, ballot, self._version, place)
                 for a in self._procs]
         return {"refs": refs, "left": left, "version": version, "timeout": timeout, "t0": t0,
-                "plan": p, "planned": planned, "atomic": atomic}
+                "plan": p, "planned": planned, "atomic": atomic, "recovered": recovered}
 
     def _finish(self, running: dict) -> RefitResult:
         """Wait for every process's run, commit, and report."""
@@ -461,12 +519,16 @@ class ReshardGroup:
         if any("refused" in st for st in per):
             self._discard_all()
             self._refuse(per)
+        if any(st.get("delta", {}).get("mismatches") for st in per):
+            self._delta_mismatch(running, per)
         if running["atomic"]:
             result_warnings = self._commit(version, running["timeout"])
         else:                  # every process finished: each takes the version at its next call
             self._version, result_warnings = version, []
         for a in self.dst_actors:
             self._unsure.pop(actor_key(a), None)
+        if running.get("recovered"):
+            result_warnings = [running["recovered"], *result_warnings]
         seconds = time.perf_counter() - running["t0"]
         moved = {"network": 0, "domain": 0, "local": 0}
         for st in per:
@@ -492,6 +554,28 @@ class ReshardGroup:
                 + "; every destination is as it was, and the group stays usable",
                 ranks) from faults[0]["fault"]["error"]
         _refuse([st.get("refused", []) for st in per if st])
+
+    def _delta_mismatch(self, running: dict, per: list) -> None:
+        """Raise for a delta refit whose bytes did not match on some receivers (their
+        destinations were written outside refits). Every process finished, nothing is broken:
+        the group stays usable; the destinations' bytes are unknown until the next refit, which
+        sends dense to them (the refit's baselines are not confirmed)."""
+        self._discard_all()
+        bad = [st for st in per if st.get("delta", {}).get("mismatches")]
+        for st in (per if not running["atomic"] else bad):
+            for side, r in self._ranks_of([st["pid"]]):
+                if side == "dst":
+                    self._unsure[actor_key(self.dst_actors[r])] = (
+                        f"delta refit v{running['version']} did not match on a receiver "
+                        f"(destination shards written outside refits): its bytes are unknown "
+                        f"until the next refit")
+        ranks = self._ranks_of([st["pid"] for st in bad])
+        raise RefitError(
+            f"delta refit v{running['version']} failed on "
+            f"{', '.join(f'{s} rank {r}' for s, r in ranks)}: "
+            + "; ".join(m for st in bad for m in st["delta"]["mismatches"])
+            + f"; the group stays usable at v{self._version}: the next refit sends dense "
+              f"where a receiver's bytes are unknown", ranks)
 
     def _discard_all(self) -> None:
         if not self._ray_alive():       # nothing left to tell: the actors went with Ray
@@ -631,6 +715,11 @@ class ReshardGroup:
             ranks = self._ranks_of(waiting)
             messages = waiting_msgs
         self._broken = "; ".join(messages)
+        # Nobody died or lost its group state (a network fault, a member busy past the
+        # deadline): the next refit may re-form the group once everyone answers (`_recover`).
+        self._recoverable = not any(
+            isinstance(v, RayActorError) or isinstance(getattr(v, "cause", None), GroupStateLost)
+            for ok, v in outcome.values() if not ok)
         raise RefitError(f"refit failed in {phase} on "
                          f"{', '.join(f'{s} rank {r}' for s, r in ranks)}: "
                          + "; ".join(messages), ranks)
@@ -720,15 +809,49 @@ class ReshardGroup:
         """Version of the last refit that completed on every rank."""
         return self._version
 
-    def stale_destinations(self) -> dict:
+    def stale_destinations(self, check: bool = False) -> dict:
         """Destination ranks that may not hold the group's version -> why: a refit failed
-        part-way in them (not atomic), or update() added them and no refit reached them yet.
-        Empty after a refit that completed."""
+        part-way in them (not atomic), update() added them and no refit reached them yet, or
+        Ray restarted them (they lost their group state and the weights they held). Empty
+        after a refit that completed. Read on the driver; with `check`, every destination is
+        asked first which version it holds (a remote call each)."""
+        if check:
+            with self._lock:
+                self._settle()
+                self._check_usable()
+                self._held_versions(range(len(self.dst_actors)))
         out = {}
         for r, a in enumerate(self.dst_actors):
             why = self._unsure.get(actor_key(a))
             if why is not None:
                 out[r] = why
+        return out
+
+    def _held_versions(self, ranks) -> dict:
+        """{destination rank: the version it holds}; a rank that cannot say (Ray restarted it,
+        it died, it did not answer in time) is left out and recorded as stale, with why."""
+        ranks = list(ranks)
+        refs = [self.dst_actors[r].__ray_call__.remote(worker.version, self.group_id,
+                                                       self._version) for r in ranks]
+        ready, _ = self._wait(refs, len(refs), self.setup_timeout_s)
+        ready = set(ready)
+        out = {}
+        for r, ref in zip(ranks, refs):
+            why = None
+            if ref not in ready:
+                why = f"it did not say which version it holds within {self.setup_timeout_s} s"
+            else:
+                try:
+                    out[r] = self._get(ref)
+                except RayActorError as e:
+                    why = _describe(self.members.proc_of[Endpoint("dst", r)], e)
+                except RayTaskError as e:
+                    if not isinstance(e.cause, GroupStateLost):
+                        raise
+                    why = ("Ray restarted it: it lost its group state and the weights it held; "
+                           "call update(), then refit")
+            if why is not None:
+                self._unsure[actor_key(self.dst_actors[r])] = why
         return out
 
     def join(self, specs: Mapping[str, TensorSpec], which: Mapping[Any, int],
@@ -751,10 +874,9 @@ class ReshardGroup:
                 raise ValueError(f"the copy's destination layouts need "
                                  f"{max(max(s.dst.mesh.ranks) for s in join_specs.values()) + 1}"
                                  f" new actors, got {len(new_actors)}")
+            held = self._held_versions(ranks)
             stale = {r: why for r, why in self.stale_destinations().items() if r in ranks}
-            held = self._call_all(worker.version, self.group_id, self._version,
-                                  actors=[self.dst_actors[r] for r in ranks])
-            for r, v in zip(ranks, held):
+            for r, v in held.items():
                 if v != self._version and r not in stale:
                     stale[r] = f"it holds v{v}, the group v{self._version}"
             warns = []
@@ -896,6 +1018,9 @@ class PendingRefit:
 # store for an abort (a frozen store host answers nothing): the late window covers that, with
 # a second of scheduling slack, so a member blocked on a frozen peer is not named hung itself.
 SETTLE_S = 3.0
+# How long a refit after a failed one waits for every member to answer before it re-forms
+# the group (`ReshardGroup._recover`).
+RECOVER_PROBE_S = 2.0
 LATE_SETTLE_S = torch_pg.LATE_STORE_CHECK_S + 1.0
 
 

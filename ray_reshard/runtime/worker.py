@@ -505,7 +505,9 @@ def run(actor, group_id: str, key, timeout_s: float, version: int, atomic: bool 
     except BaseException as e:
         _abort_channels(wg, f"{type(e).__name__}: {e}")
         raise
-    if atomic:
+    if stats.get("delta", {}).get("mismatches"):
+        wg.held = None      # written outside refits: this refit fails, the group stays usable
+    elif atomic:
         wg.staged = (version, [(targets[k], views[k]) for k in targets])
     else:
         wg.done = version
@@ -679,6 +681,22 @@ def held_resources(actor, group_id: str) -> dict:
             "program_bytes": {k: program_bytes(p) for k, p in wg.programs.items()},
             "rings_out": {p: r.name for p, r in wg.rings_out.items()},
             "rings_in": {p: r.name for p, r in wg.rings_in.items()}}
+
+
+def held_bytes(actor, group_id: str) -> Optional[int]:
+    """Bytes of the tensors this process offers the group (each storage once), or None when
+    they cannot be read now (the refit's own check then says why)."""
+    wg = _group(group_id)
+    try:
+        storage = _storage(actor, wg)
+    except Exception:       # noqa: BLE001  (reported, with its rank, by the refit's check)
+        return None
+    sizes = {}
+    for t in storage.values():
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            sizes[(str(t.device), st.data_ptr())] = st.nbytes()
+    return sum(sizes.values())
 
 
 def version(actor, group_id: str, committed: Optional[int] = None) -> int:

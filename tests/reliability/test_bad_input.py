@@ -437,3 +437,41 @@ def test_two_destination_tensors_sharing_memory(group, src, dst):
     refused(group, src, dst, good_specs(),
             r"'w' and 'b' on dst rank 0: their local shards share memory")
     still_works(group, src, dst)
+
+
+# ------------------------------------------------------------------ sizes and planning time
+@pytest.mark.parametrize("shape", [(2**40, 2**40), (2**30, 2**30), (1 << 20, 8)],
+                         ids=["beyond-int64", "exabytes", "larger-than-held"])
+def test_a_shape_larger_than_the_sources_hold_is_refused_at_once(group, src, dst, shape):
+    """Sized against what the sources hold before any planning: no time, no driver memory
+    spent on buckets of a tensor that cannot exist."""
+    import resource
+    import time
+
+    load(src, dst)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.monotonic()
+    big = rr.TensorSpec(shape, torch.float32, ROWS, COLS)
+    refused(group, src, dst, good_specs(w=big),
+            r"refused before moving any byte: the specs describe \d+ bytes of source tensors, "
+            r"but the source processes hold \d+ bytes in all; largest: 'w' "
+            + rf"\({shape[0]}, {shape[1]}\) torch.float32")
+    assert time.monotonic() - t0 < 10
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 200 * 1024   # KiB
+    still_works(group, src, dst)
+
+
+def test_a_shape_no_tensor_can_hold_is_refused_by_the_planner():
+    with pytest.raises(ValueError, match=r"'w': shape \(1099511627776, 1099511627776\) holds "
+                                         r"\d+ elements .*more than any tensor can"):
+        rr.plan({"w": rr.TensorSpec((2**40, 2**40), torch.float32, ROWS, COLS)})
+
+
+def test_planning_runs_under_the_refits_deadline(src, dst):
+    """A first refit whose planning outlasts its deadline ends in a RefitError saying so."""
+    specs = {f"t{i}": rr.TensorSpec((2, 8), torch.float32, ROWS, COLS) for i in range(600)}
+    ray.get([a.set.remote({"held": torch.zeros(600 * 8)}) for a in src])
+    with rr.ReshardGroup(src, dst) as g:
+        with pytest.raises(rr.RefitError, match=r"before moving any byte: the refit's deadline "
+                                                r"passed during planning \(\d+ of 600 tensors"):
+            g.refit(specs, timeout_s=1e-6)

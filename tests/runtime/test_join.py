@@ -77,3 +77,45 @@ def test_new_engine_joins_from_a_replica_then_the_group_grows(cluster):
         specs3 = specs_for(3)
         res = group.refit(specs3)
         assert exact(engines + new, specs3, fulls2, range(6)) and res.version == 2
+
+
+def test_joining_from_a_replica_ray_restarted_is_refused_and_it_is_listed_stale(cluster):
+    """A replica whose actor Ray restarted lost its group state and the weights it held: a join
+    from it is a RefitError naming its rank, and stale_destinations lists it."""
+    import os
+    import time
+
+    from ray_reshard.testing import Holder
+
+    trainers = holders(2, 0)
+    engines = [Holder.options(resources={"node1": 1}, max_restarts=1).remote() for _ in range(4)]
+    new = holders(2, 1)
+    specs = specs_for(2)
+    fulls = {n: torch.randn(s.shape) for n, s in specs.items()}
+    load(trainers, specs, fulls, "src")
+    load(engines, specs, fulls, "dst")
+    with rr.ReshardGroup(trainers, engines, timeout_s=30) as group:
+        group.refit(specs)
+        pid = ray.get(engines[3].__ray_call__.remote(lambda self: os.getpid()))
+        ray.kill(engines[3], no_restart=False)
+        t_end = time.monotonic() + 60
+        while True:                                   # until Ray restarted it
+            try:
+                if ray.get(engines[3].__ray_call__.remote(lambda self: os.getpid()),
+                           timeout=5) != pid:
+                    break
+            except Exception:
+                pass
+            assert time.monotonic() < t_end
+            time.sleep(0.2)
+        assert group.stale_destinations() == {}       # nothing told the driver yet
+        assert list(group.stale_destinations(check=True)) == [3]
+        assert "Ray restarted it" in group.stale_destinations()[3]
+        with pytest.raises(rr.RefitError, match=r"dst rank 3: Ray restarted it"):
+            group.join(specs, {"dp": 1}, new)
+        assert list(group.stale_destinations()) == [3]
+        join, ranks = rr.replica_specs(specs, {"dp": 0})
+        ray.get([a.set.remote({n: torch.zeros(s.dst.local_shape(r, s.shape), dtype=s.dtype)
+                               for n, s in join.items()}) for r, a in enumerate(new)])
+        res = group.join(specs, {"dp": 0}, new)       # the other replica holds v1
+        assert res.version == 1 and exact(new, join, fulls, range(2))
