@@ -9,20 +9,32 @@ travel as whichever is smallest:
   granules' bytes in order;
 - INDEX: the changed granules' indices (int32), then their bytes in order;
 
-(the values start at the next multiple of the granule after the mask or the indices)
+(the values start at the next multiple of the granule after the mask or the indices, the gap
+zero)
 - DENSE: the bucket's bytes.
 
-A receiver rebuilds the bucket from its own copy of the baseline (its destination regions,
-packed) and the payload, and checks the result against the sender's `checksum` of the bucket
-(a SAME bucket too), so a destination changed outside refits is caught, not silently mixed.
-Everything here is a short sequence of torch ops over the bytes (the same on CPU and GPU);
-`encoded_bytes` is the size model the plan report and the simulator use.
+Encoding leaves the baseline holding the new bytes. A receiver applies a MASK or INDEX payload
+onto its own copy of the baseline (its destination regions) and checks the result against the
+sender's `checksum` of the new bytes (a SAME bucket too), so a destination changed outside
+refits is caught, not silently mixed. The checksum is the sum of the bucket's granules as
+unsigned integers, modulo 2**64 (as a signed int64).
+
+Two codecs keep this contract: `HostCodec` (one pass per end, see `delta_host`), on rows of host
+memory (a part's contiguous regions, no packing) or a packed bucket; and `TorchCodec`, a few
+torch ops over a packed bucket on any device (what GPUs run, and the reference the host one is
+tested against). A host bucket whose first eighth (or first `MOSTLY_AFTER_CHUNKS` chunks of
+`CHUNK` granules, if fewer) changed in more than `MOSTLY_CHANGED` of its granules travels DENSE
+without comparing the rest (`probe`). `encoded_bytes` is the size model the plan report and the
+simulator use.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Optional
 
+import numpy as np
 import torch
 
 SAME, MASK, INDEX, DENSE = 0, 1, 2, 3
@@ -30,6 +42,14 @@ KINDS = {SAME: "same", MASK: "mask", INDEX: "index", DENSE: "dense"}
 INDEX_BYTES = 4
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_U64 = 1 << 64
+
+# A bucket found mostly changed early travels DENSE without comparing the rest (a sparse
+# payload would save little and cost decoding): checked after every CHUNK granules from the
+# first eighth of the bucket or MOSTLY_AFTER_CHUNKS chunks, whichever comes first.
+MOSTLY_CHANGED = 0.8
+MOSTLY_AFTER_CHUNKS = 4
+CHUNK = 1 << 18
 
 
 @lru_cache(maxsize=None)
@@ -65,6 +85,16 @@ def _up(x: int, g: int) -> int:
     return -(-x // g) * g
 
 
+def dense_after(nbytes: int, g: int) -> int:
+    """Changed granules past which DENSE is the smallest encoding."""
+    return (nbytes - _up((nbytes // g + 7) // 8, g)) // g
+
+
+def probe_from(n: int) -> int:
+    """Granules compared before a bucket of `n` granules may be found mostly changed."""
+    return min(-(-n // 8), MOSTLY_AFTER_CHUNKS * CHUNK)
+
+
 def expected_encoding(nbytes: int, g: int, fraction: float) -> tuple:
     """(kind, payload bytes) of a bucket whose granules changed with probability `fraction`
     (a prediction: changes spread evenly over buckets)."""
@@ -76,133 +106,226 @@ def expected_bytes(nbytes: int, g: int, fraction: float) -> int:
     return expected_encoding(nbytes, g, fraction)[1]
 
 
-def checksum(buf: torch.Tensor) -> int:
-    """A 64-bit sum of a bucket's bytes (as int64 words where they divide it, wrapping)."""
-    n = buf.numel()
-    for size in (8, 4, 2, 1):
-        if n % size == 0:
-            break
-    words = buf.view(_INT[size])
-    if size == 8:
-        return int(words.sum())
-    return int(words.sum(dtype=torch.int64))
+def _signed(x: int) -> int:
+    x %= _U64
+    return x - _U64 if x >> 63 else x
+
+
+def _sum(words: torch.Tensor, g: int) -> int:
+    """The checksum of `words` (a bucket viewed as `_INT[g]`)."""
+    if g == 1:
+        return _signed(int(words.sum(dtype=torch.int64)))
+    if g in (2, 4):
+        return _signed(int((words.to(torch.int64) & ((1 << 8 * g) - 1)).sum()))
+    lo = int((words & 0xFFFFFFFF).sum())
+    hi = int(((words >> 32) & 0xFFFFFFFF).sum())
+    return _signed(lo + (hi << 32))
+
+
+def checksum(buf: torch.Tensor, g: int) -> int:
+    """The checksum of a bucket's bytes `buf` (uint8) in granules of `g` bytes."""
+    return _sum(buf.view(_INT[g]), g)
 
 
 @dataclass
 class Encoded:
-    """One bucket's delta: `kind`, the payload to send (uint8; None when SAME), how many
-    granules changed (at least; a bucket found mostly changed early stops counting), and the
-    checksum of the new bytes (not for DENSE)."""
+    """One bucket's delta: `kind`, its payload's bytes (`nbytes`; the payload, uint8, None when
+    SAME or DENSE: a DENSE bucket's bytes are the new bytes, now also the baseline's), how many
+    granules changed (at least: a bucket found DENSE early stops counting), and the checksum of
+    the new bytes (0 for DENSE)."""
 
     kind: int
-    payload: object
+    nbytes: int
     changed: int
     check: int = 0
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.payload is None else self.payload.numel()
+    payload: Optional[torch.Tensor] = None
 
 
-# A host bucket whose first eighth (or first `MOSTLY_AFTER_CHUNKS` chunks, if fewer) changed in
-# more than this share of its granules travels DENSE without comparing the rest (a sparse
-# payload would save little and cost decoding).
-MOSTLY_CHANGED = 0.8
-MOSTLY_AFTER_CHUNKS = 4
-# Host buckets are compared and compacted in chunks of this many granules, so each chunk's mask
-# stays in cache (on GPUs the bucket is one chunk: launches cost more than the memory traffic).
-CHUNK = 1 << 18
+def _rows(src) -> np.ndarray:
+    """(k, 2) int64 rows (address, bytes) of a host tensor or of rows."""
+    if isinstance(src, torch.Tensor):
+        if src.device.type != "cpu" or not src.is_contiguous():
+            raise ValueError("the host codec takes contiguous host memory")
+        return np.array([[src.data_ptr(), src.numel() * src.element_size()]], dtype=np.int64)
+    return np.ascontiguousarray(src, dtype=np.int64).reshape(-1, 2)
+
+
+class HostCodec:
+    """The compiled host kernel (`delta_host`): one pass per end over rows of host memory (a
+    part's regions in bucket order, each a whole number of granules) or a packed bucket."""
+
+    name = "host"
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self._local = threading.local()           # per thread: the index scratch
+
+    def encode(self, new, base: torch.Tensor, out: torch.Tensor, g: int,
+               probe: bool = True) -> Encoded:
+        """Encode `new` (a packed bucket, uint8, or its rows) against `base` (uint8, the
+        bucket's size, host memory) into `out` (at least the bucket's size); `base` then
+        holds the new bytes."""
+        rows = _rows(new)
+        nbytes = int(rows[:, 1].sum())
+        if base.numel() != nbytes or out.numel() < nbytes or nbytes % g:
+            raise ValueError(f"delta encode: {nbytes}-byte bucket, granule {g}, baseline "
+                             f"{base.numel()} bytes, output {out.numel()} bytes")
+        n = nbytes // g
+        head = (n + 7) // 8
+        cap = (head + g) // INDEX_BYTES + 1          # every count an INDEX payload may win at
+        index = getattr(self._local, "index", None)
+        if index is None or index.numel() < cap:
+            index = self._local.index = torch.empty(cap, dtype=torch.int32)
+        check, changed, stopped = self.kernel.encode(
+            rows, base.data_ptr(), out.data_ptr(), out.numel(), index.data_ptr(), cap, g,
+            n, dense_after(nbytes, g), CHUNK if probe else 0, probe_from(n), MOSTLY_CHANGED)
+        if stopped:
+            return Encoded(DENSE, nbytes, changed)
+        if changed == 0:
+            return Encoded(SAME, 0, 0, _signed(check))
+        kind, size = encoded_bytes(nbytes, g, changed)
+        if kind == INDEX:
+            vals = out[_up(head, g):_up(head, g) + changed * g].clone()
+            at = changed * INDEX_BYTES
+            out[:at].copy_(index[:changed].view(torch.uint8))
+            out[at:_up(at, g)].zero_()
+            out[_up(at, g):size].copy_(vals)
+        return Encoded(kind, size, changed, _signed(check), out[:size])
+
+    def apply(self, kind: int, payload: Optional[torch.Tensor], into, g: int) -> int:
+        """Apply a MASK or INDEX payload onto `into` (the baseline's bytes: a packed bucket or
+        its rows) in place, or nothing (SAME); returns the checksum of the result. A payload
+        that does not fit the bucket raises ValueError, nothing written."""
+        rows = _rows(into)
+        nbytes = int(rows[:, 1].sum())
+        if kind == SAME:
+            got = self.kernel.apply(0, rows, 0, 0, g, nbytes // g)
+        elif kind in (MASK, INDEX):
+            if payload.device.type != "cpu" or not payload.is_contiguous():
+                raise ValueError("the host codec takes a contiguous host payload")
+            got = self.kernel.apply(kind, rows, payload.data_ptr(), payload.numel(), g,
+                                    nbytes // g)
+        else:
+            raise ValueError(f"apply takes a SAME, MASK or INDEX bucket, got "
+                             f"{KINDS.get(kind, kind)}")
+        if got is None:
+            raise ValueError(f"a {KINDS[kind]} delta payload of {payload.numel()} bytes does not "
+                             f"fit a {nbytes}-byte bucket of {g}-byte granules")
+        return _signed(got)
+
+
+class TorchCodec:
+    """The same contract as `HostCodec` in torch ops over a packed bucket, on any device."""
+
+    name = "torch"
+
+    def encode(self, new: torch.Tensor, base: torch.Tensor, out: torch.Tensor, g: int,
+               probe: bool = False) -> Encoded:
+        """As `HostCodec.encode` (`probe`: stop early as the host codec does)."""
+        a, b = new.view(_INT[g]), base.view(_INT[g])
+        nbytes, n = new.numel(), a.numel()
+        m = a != b
+        changed = int(torch.count_nonzero(m))
+        stop = changed > dense_after(nbytes, g)
+        if not stop and probe and changed and n >= CHUNK:
+            k = n // CHUNK
+            counts = m[:k * CHUNK].view(k, CHUNK).sum(1).cumsum(0)
+            seen = torch.arange(1, k + 1, device=m.device, dtype=torch.float64) * CHUNK
+            stop = bool(((seen >= probe_from(n)) & (counts > MOSTLY_CHANGED * seen)).any())
+        if stop:
+            base.copy_(new)
+            return Encoded(DENSE, nbytes, changed)
+        check = _sum(a, g)
+        if changed == 0:
+            return Encoded(SAME, 0, 0, check)
+        kind, size = encoded_bytes(nbytes, g, changed)
+        vals = a[m]
+        if kind == MASK:
+            head = (n + 7) // 8
+            out[:head].copy_(_pack_bits(m))
+            at = head
+        else:
+            at = changed * INDEX_BYTES
+            out[:at].copy_(m.nonzero().view(-1).to(torch.int32).view(torch.uint8))
+        out[at:_up(at, g)].zero_()
+        out[_up(at, g):size].copy_(vals.view(torch.uint8))
+        b.copy_(a)
+        return Encoded(kind, size, changed, check, out[:size])
+
+    def apply(self, kind: int, payload: Optional[torch.Tensor], into: torch.Tensor,
+              g: int) -> int:
+        """As `HostCodec.apply`, on a packed bucket."""
+        target = into.view(_INT[g])
+        n = target.numel()
+        if kind == MASK:
+            head = (n + 7) // 8
+            if payload.numel() < _up(head, g) or (payload.numel() - _up(head, g)) % g:
+                raise ValueError(f"a mask delta payload of {payload.numel()} bytes does not fit "
+                                 f"a {into.numel()}-byte bucket of {g}-byte granules")
+            values = payload[_up(head, g):].view(_INT[g])
+            m = _unpack_bits(payload[:head], n)
+            placed = int(torch.count_nonzero(m))
+            if placed != values.numel():
+                raise ValueError(f"delta payload holds {values.numel()} values, its mask "
+                                 f"{placed}")
+            target.masked_scatter_(m, values)
+        elif kind == INDEX:
+            count = payload.numel() // (INDEX_BYTES + g)       # padding is under one granule
+            at = _up(count * INDEX_BYTES, g)
+            if at + count * g != payload.numel():
+                raise ValueError(f"an index delta payload of {payload.numel()} bytes does not "
+                                 f"fit {g}-byte granules")
+            idx = payload[:count * INDEX_BYTES].view(torch.int32).long()
+            if count and (bool((idx[1:] <= idx[:-1]).any()) or int(idx[0]) < 0
+                          or int(idx[-1]) >= n):
+                raise ValueError("an index delta payload's indices are not increasing inside "
+                                 "the bucket")
+            target.index_copy_(0, idx, payload[at:].view(_INT[g]))
+        elif kind != SAME:
+            raise ValueError(f"apply takes a SAME, MASK or INDEX bucket, got "
+                             f"{KINDS.get(kind, kind)}")
+        return _sum(target, g)
+
+
+_TORCH = TorchCodec()
+_HOST: Optional[HostCodec] = None
+
+
+def host_codec() -> Optional[HostCodec]:
+    """The host kernel's codec, or None where it cannot be built (see `delta_host.why_not`)."""
+    global _HOST
+    if _HOST is None:
+        from . import delta_host
+        k = delta_host.kernel()
+        if k is not None:
+            _HOST = HostCodec(k)
+    return _HOST
+
+
+def codec_for(device: torch.device):
+    """The codec for buckets on `device`: the host kernel in host memory (torch ops where it
+    cannot be built), torch ops elsewhere."""
+    if device.type == "cpu":
+        return host_codec() or _TORCH
+    return _TORCH
 
 
 def encode(new: torch.Tensor, base: torch.Tensor, g: int) -> Encoded:
-    """The smallest encoding of `new` against `base` (uint8, same size, `g`-byte granules).
-    A DENSE payload is `new` itself (not copied)."""
-    a, b = new.view(_INT[g]), base.view(_INT[g])
-    n = a.numel()
-    dense_at = (new.numel() - _up((n + 7) // 8, g)) // g   # past this many DENSE is smallest
-    heads, values, where, changed, stopped = [], [], [], 0, False
-    if new.device.type == "cpu":       # numpy's compare, count and compaction are the fastest
-        import numpy as np
-        an, bn = a.numpy(), b.numpy()
-        mask = np.empty(min(CHUNK, n), dtype=bool)
-        for s in range(0, n, CHUNK):
-            m = mask[:min(CHUNK, n - s)]
-            np.not_equal(an[s:s + CHUNK], bn[s:s + CHUNK], out=m)
-            c = int(np.count_nonzero(m))
-            changed += c
-            seen = s + m.size
-            if changed > dense_at or (changed > MOSTLY_CHANGED * seen and
-                                      (seen * 8 >= n or seen >= MOSTLY_AFTER_CHUNKS * CHUNK)):
-                stopped = True
-                break
-            heads.append(np.packbits(m, bitorder="little"))
-            idx = np.flatnonzero(m) if c else np.empty(0, dtype=np.int64)
-            values.append(an[s:s + CHUNK].take(idx))
-            where.append((s, idx))
-        heads = [torch.from_numpy(h) for h in heads]
-        values = [torch.from_numpy(v) for v in values]
-        where = [torch.from_numpy(idx.astype(np.int32) + np.int32(s)) for s, idx in where] \
-            if encoded_bytes(new.numel(), g, changed)[0] == INDEX else None
-    else:
-        mask = a != b
-        heads, values = [_pack_bits(mask)], [a[mask]]
-        changed = values[0].numel()
-        where = None
-    kind, size = encoded_bytes(new.numel(), g, changed)
-    if kind == SAME:
-        return Encoded(SAME, None, 0, checksum(new))
-    if kind == DENSE or stopped:
-        return Encoded(DENSE, new, changed)
-    vals = torch.cat(values).view(torch.uint8)
-    if kind == MASK:
-        head = torch.cat(heads)
-    else:
-        head = (torch.cat(where) if where is not None else
-                mask.nonzero().view(-1).to(torch.int32)).view(torch.uint8)
-    pad = head.new_zeros(_up(head.numel(), g) - head.numel())
-    return Encoded(kind, torch.cat([head, pad, vals]), changed, checksum(new))
+    """Encode `new` against `base` (uint8, one bucket each) with the codec of their device,
+    into a new output buffer; `base` then holds the new bytes."""
+    codec = codec_for(new.device)
+    out = torch.empty(new.numel(), dtype=torch.uint8, device=new.device)
+    return codec.encode(new, base, out, g, probe=new.device.type == "cpu")
 
 
-def decode(kind: int, payload: torch.Tensor, into: torch.Tensor, g: int) -> None:
-    """Apply a MASK or INDEX payload onto `into` (the baseline's bytes, uint8) in place."""
-    target = into.view(_INT[g])
-    n = target.numel()
-    if kind == MASK:
-        head = (n + 7) // 8
-        values = payload[_up(head, g):].view(_INT[g])
-        if into.device.type == "cpu":    # numpy's place is several times torch's scatter here
-            import numpy as np
-            tn, vn, bits = target.numpy(), values.numpy(), payload[:head].numpy()
-            pos = 0
-            for s in range(0, n, CHUNK):
-                k = min(CHUNK, n - s)
-                m = np.unpackbits(bits[s // 8:(s + k + 7) // 8], count=k,
-                                  bitorder="little").view(bool)
-                c = int(np.count_nonzero(m))
-                if c:
-                    if pos + c > vn.size:
-                        break
-                    np.place(tn[s:s + k], m, vn[pos:pos + c])
-                    pos += c
-        else:
-            m = _unpack_bits(payload[:head], n)
-            pos = int(torch.count_nonzero(m))
-            if pos == values.numel():
-                target.masked_scatter_(m, values)
-        if pos != values.numel():
-            raise ValueError(f"delta payload holds {values.numel()} values, its mask more or "
-                             f"fewer ({pos} placed)")
-    elif kind == INDEX:
-        count = payload.numel() // (INDEX_BYTES + g)       # padding is less than one granule
-        idx = payload[:count * INDEX_BYTES].view(torch.int32).long()
-        target.index_copy_(0, idx, payload[_up(count * INDEX_BYTES, g):].view(_INT[g]))
-    else:
-        raise ValueError(f"decode takes a MASK or INDEX payload, got {KINDS.get(kind, kind)}")
+def decode(kind: int, payload: Optional[torch.Tensor], into: torch.Tensor, g: int) -> int:
+    """Apply a payload onto `into` (the baseline's bytes, uint8) in place with the codec of
+    its device; returns the checksum of the result."""
+    return codec_for(into.device).apply(kind, payload, into, g)
 
 
 def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
     if mask.device.type == "cpu":
-        import numpy as np
         return torch.from_numpy(np.packbits(mask.numpy(), bitorder="little"))
     n = mask.numel()
     pad = (-n) % 8
@@ -212,8 +335,8 @@ def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
 
 def _unpack_bits(bits: torch.Tensor, n: int) -> torch.Tensor:
     if bits.device.type == "cpu":
-        import numpy as np
         return torch.from_numpy(np.unpackbits(bits.numpy(), count=n, bitorder="little")
                                 .view(bool))
     m = (bits.unsqueeze(1) & _bits(bits.device)) != 0
     return m.view(-1)[:n]
+

@@ -1,11 +1,38 @@
 """The delta codec: every encoding round-trips exactly, the smallest one is chosen, payload
-sizes are what `encoded_bytes` predicts, and the GPU path gives the CPU path's bytes."""
+sizes are what `encoded_bytes` predicts; the host kernel (each instruction-set path it has) and
+the torch path give the same bytes, baselines and checksums, from packed buckets and from rows
+of separate regions; malformed payloads are refused before anything is written; and the GPU
+path gives the host's bytes."""
+import random
+
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ray_reshard.execution import delta as D
+from ray_reshard.execution import delta_host
+
+HOST = D.host_codec()
+TORCH = D.TorchCodec()
+
+
+def test_the_host_kernel_builds_here():
+    # CI installs a C++ compiler: a missing kernel would silently cost the codec's speed
+    assert HOST is not None, delta_host.why_not()
+
+
+@pytest.fixture(scope="module", params=["native", "avx2", "plain"])
+def host(request):
+    """The host kernel as built here (the native instruction set) and built for AVX2 and for
+    no vector extension, so every path of its source is checked against torch."""
+    if request.param == "native":
+        return HOST
+    if request.param == "avx2" and "avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("this CPU has no AVX2")     # (CI's x86 machines have it)
+    flags = ("-O2", "-mavx2") if request.param == "avx2" else ("-O2",)
+    return D.HostCodec(delta_host.build(flags))
 
 
 def bucket(n_bytes, fraction, seed, g=2):
@@ -21,16 +48,36 @@ def bucket(n_bytes, fraction, seed, g=2):
     return base, new, k
 
 
-def roundtrip(new, base, g):
-    e = D.encode(new, base, g)
-    out = base.clone()
+def rows_of(new, g, rng):
+    """`new`'s bytes copied into separate, oddly placed regions (cut at granule boundaries),
+    and their rows (address, bytes) in order."""
+    n = new.numel() // g
+    cuts = sorted({rng.randrange(0, n) for _ in range(rng.randint(0, 6))} - {0}) + [n]
+    regions, prev = [], 0
+    for c in cuts:
+        t = torch.empty((c - prev) * g + 9 * g, dtype=torch.uint8)
+        start = rng.randrange(0, 8) * g
+        t = t[start:start + (c - prev) * g]
+        t.copy_(new[prev * g:c * g])
+        regions.append(t)
+        prev = c
+    return regions, np.array([[t.data_ptr(), t.numel()] for t in regions], dtype=np.int64)
+
+
+def roundtrip(codec, new, base, g, src=None):
+    """Encode `new` (or its rows `src`) against a copy of `base`, apply the payload onto
+    another copy; both end as `new`."""
+    kept = base.clone()
+    out = torch.full((new.numel(),), 0xEE, dtype=torch.uint8)
+    e = codec.encode(new if src is None else src, kept, out, g, probe=True)
+    assert torch.equal(kept, new)                    # the baseline holds the new bytes
+    if e.kind in (D.MASK, D.INDEX, D.SAME):
+        into = base.clone()
+        got = codec.apply(e.kind, e.payload, into, g)
+        assert torch.equal(into, new)
+        assert got == e.check == D.checksum(new, g)
     if e.kind == D.DENSE:
-        out.copy_(e.payload)
-    elif e.kind != D.SAME:
-        D.decode(e.kind, e.payload, out, g)
-    assert torch.equal(out, new)
-    if e.kind != D.DENSE:
-        assert e.check == D.checksum(new)
+        assert e.nbytes == new.numel() and e.payload is None
     return e
 
 
@@ -39,7 +86,7 @@ def roundtrip(new, base, g):
        st.sampled_from([0.0, 0.001, 0.01, 0.03, 0.1, 0.5, 0.9, 1.0]), st.integers(0, 99))
 def test_roundtrip_and_smallest_encoding(g, n, fraction, seed):
     base, new, k = bucket(n * g, fraction, seed, g)
-    e = roundtrip(new, base, g)
+    e = roundtrip(HOST, new, base, g)
     kind, size = D.encoded_bytes(n * g, g, k)
     if k == 0:
         assert e.kind == D.SAME and e.nbytes == 0
@@ -48,11 +95,58 @@ def test_roundtrip_and_smallest_encoding(g, n, fraction, seed):
     assert e.nbytes <= n * g
 
 
+def test_host_kernel_equals_torch(host, monkeypatch):
+    """Kinds, payload bytes, baselines and checksums equal torch's for random buckets given as
+    rows of separate regions, early 'mostly changed' exits included (small chunks), and
+    applying onto rows equals applying onto a packed bucket."""
+    monkeypatch.setattr(D, "CHUNK", 256)
+    rng = random.Random(5)
+    kinds = set()
+    for trial in range(100):
+        g = rng.choice([1, 2, 4, 8])
+        n = rng.randint(1, 6000)
+        base, new, _ = bucket(n * g, rng.choice([0, 0.001, 0.02, 0.1, 0.5, 0.85, 1.0]), trial, g)
+        if rng.random() < 0.3:                       # changes crowded into the first part
+            keep = rng.randint(1, n)
+            new.view(-1, g)[keep:] = base.view(-1, g)[keep:]
+        regions, rows = rows_of(new, g, rng)
+        a, b = base.clone(), base.clone()
+        oa = torch.full((n * g,), 1, dtype=torch.uint8)
+        ob = torch.full((n * g,), 2, dtype=torch.uint8)
+        ea = host.encode(rows, a, oa, g, probe=True)
+        eb = TORCH.encode(new, b, ob, g, probe=True)
+        assert torch.equal(a, new) and torch.equal(b, new)
+        assert (ea.kind, ea.nbytes, ea.check) == (eb.kind, eb.nbytes, eb.check), trial
+        kinds.add(ea.kind)
+        if ea.kind in (D.MASK, D.INDEX):
+            assert torch.equal(ea.payload, eb.payload)
+        if ea.kind != D.DENSE:
+            dst, drows = rows_of(base, g, rng)
+            got = host.apply(ea.kind, ea.payload, drows, g)
+            assert torch.equal(torch.cat(dst), new)
+            into = base.clone()
+            assert TORCH.apply(eb.kind, eb.payload, into, g) == got == ea.check
+            assert torch.equal(into, new)
+    assert kinds == {D.SAME, D.MASK, D.INDEX, D.DENSE}
+
+
+def test_special_values_are_bytes(host):
+    """+0.0 / -0.0 and NaNs with different payloads are different bytes: they travel."""
+    base = torch.tensor([0.0, float("nan"), 1.0, 2.0] * 64, dtype=torch.float32)
+    new = base.clone()
+    new[0] = -0.0
+    bits = new.view(torch.int32)
+    bits[1] = bits[1] ^ 1                            # another NaN payload
+    e = roundtrip(host, new.view(torch.uint8), base.view(torch.uint8), 4)
+    assert e.kind == D.INDEX and e.changed == 2
+
+
 def test_many_chunks_and_a_ragged_tail(monkeypatch):
     monkeypatch.setattr(D, "CHUNK", 1024)          # ten chunks and a ragged last one
     for fraction in (0.0, 0.002, 0.1, 0.6):
         base, new, _ = bucket(2 * 10_007, fraction, 3)
-        roundtrip(new, base, 2)
+        roundtrip(HOST, new, base, 2)
+        roundtrip(TORCH, new, base, 2)
 
 
 def test_kinds_follow_density():
@@ -60,12 +154,17 @@ def test_kinds_follow_density():
     kinds = {}
     for fraction in (0.0, 0.001, 0.1, 1.0):
         base, new, _ = bucket(2 * n, fraction, 1)
-        kinds[fraction] = D.encode(new, base, 2).kind
+        kinds[fraction] = D.encode(new, base.clone(), 2).kind
     assert kinds == {0.0: D.SAME, 0.001: D.INDEX, 0.1: D.MASK, 1.0: D.DENSE}
-    # mostly changed: dense without comparing the rest
-    base, new, _ = bucket(2 * n, 0.95, 2)
-    e = D.encode(new, base, 2)
-    assert e.kind == D.DENSE and e.payload.data_ptr() == new.data_ptr()
+
+
+def test_mostly_changed_stops_early_and_keeps_the_baseline_whole(monkeypatch):
+    monkeypatch.setattr(D, "CHUNK", 1024)
+    base, new, _ = bucket(2 * 64 * 1024, 0.95, 2)
+    kept = base.clone()
+    e = HOST.encode(new, kept, torch.empty_like(new), 2)
+    assert e.kind == D.DENSE and e.changed < 0.95 * 64 * 1024 * 0.5   # stopped counting
+    assert torch.equal(kept, new)
 
 
 def test_granule_and_prediction():
@@ -77,22 +176,44 @@ def test_granule_and_prediction():
     assert 0.15 < D.expected_bytes(1 << 20, 2, 0.1) / (1 << 20) < 0.17
 
 
-def test_decode_refuses_a_payload_that_does_not_fit():
-    base, new, _ = bucket(2 * 4096, 0.1, 4)
-    e = D.encode(new, base, 2)
-    with pytest.raises((ValueError, RuntimeError)):
-        D.decode(e.kind, e.payload[:-2], base.clone(), 2)
+@pytest.mark.parametrize("codec", [HOST, TORCH], ids=["host", "torch"])
+def test_apply_refuses_a_payload_that_does_not_fit(codec):
+    for fraction in (0.1, 0.001):                   # a mask, an index payload
+        base, new, _ = bucket(2 * 4096, fraction, 4)
+        e = D.encode(new, base.clone(), 2)
+        into = base.clone()
+        for bad in (e.payload[:-2], e.payload[:-1], torch.cat([e.payload, e.payload[:2]])):
+            with pytest.raises(ValueError):
+                codec.apply(e.kind, bad, into, 2)
+        assert torch.equal(into, base)              # nothing written
+    if e.kind == D.INDEX:                           # indices out of order
+        bad = e.payload.clone()
+        bad[:8].view(torch.int32)[:] = bad[:8].view(torch.int32).flip(0)
+        with pytest.raises(ValueError, match="increasing|fit"):
+            codec.apply(D.INDEX, bad, into, 2)
+
+
+def test_checksum_is_the_granules_sum():
+    x = torch.tensor([0xFFFF, 1, 0x8000], dtype=torch.int32).to(torch.int16)
+    assert D.checksum(x.view(torch.uint8), 2) == 0xFFFF + 1 + 0x8000
+    y = torch.tensor([-1, -1], dtype=torch.int64)
+    assert D.checksum(y.view(torch.uint8), 8) == -2              # 2 * (2**64 - 1) mod 2**64
+    rows = np.array([[x.data_ptr(), 2], [x.data_ptr() + 2, 4]], dtype=np.int64)
+    assert HOST.apply(D.SAME, None, rows, 2) == D.checksum(x.view(torch.uint8), 2)
 
 
 @pytest.mark.gpu
-def test_gpu_encoding_is_the_cpu_encoding():
+def test_gpu_encoding_is_the_host_encoding():
     for fraction in (0.0, 0.001, 0.1, 1.0):
         base, new, _ = bucket(2 * 300_001, fraction, 5)
-        cpu = D.encode(new, base, 2)
-        gpu = D.encode(new.cuda(), base.cuda(), 2)
-        assert gpu.kind == cpu.kind and gpu.check == cpu.check
+        host_base = base.clone()
+        cpu = HOST.encode(new, host_base, torch.empty_like(new), 2, probe=False)
+        gbase = base.cuda()
+        gpu = TORCH.encode(new.cuda(), gbase, torch.empty_like(gbase), 2)
+        assert torch.equal(gbase.cpu(), new)
+        assert (gpu.kind, gpu.nbytes, gpu.check) == (cpu.kind, cpu.nbytes, cpu.check)
         if cpu.kind in (D.MASK, D.INDEX):
             assert torch.equal(gpu.payload.cpu(), cpu.payload)
             out = base.cuda()
-            D.decode(gpu.kind, gpu.payload, out, 2)
+            assert TORCH.apply(gpu.kind, gpu.payload, out, 2) == cpu.check
             assert torch.equal(out.cpu(), new)

@@ -1,0 +1,644 @@
+"""The delta codec's host kernel: compare, compact and checksum a bucket in one pass, and apply
+a payload straight into the destination's regions with its checksum (see `delta` for the
+format). C++ built with the host's compiler on first use (cached on disk per source, flags and
+CPU), loaded with ctypes; `why_not()` says why it is not there.
+
+The bucket's bytes are given as rows (address, bytes) in bucket order, each a whole number of
+granules: the regions of a part that are plain contiguous host memory in the wire dtype, or one
+packed buffer. Encoding reads each new granule and its baseline once: it writes the change
+bits, the changed values and, while an index payload may still be the smallest, their indices;
+it stores the changed granules into the baseline (which then holds the new bytes) and sums the
+new granules. It stops once the payload would not be smaller than the bucket (or most of the
+granules compared so far changed: `probe_every`, `probe_from`, `mostly`) and copies the rest
+of the new bytes into the baseline. AVX-512 (with VBMI2 for 1- and 2-byte granules) compacts
+with compress instructions, AVX2 compares 64 granules at a time, anything else runs plain C.
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from typing import Optional
+
+SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512BW__)
+#define RR_AVX512 1
+#endif
+
+template <typename T> struct Lanes;           // the change bits of 64 granules
+#if RR_AVX512
+template <> struct Lanes<uint8_t> {
+    static inline uint64_t neq(const uint8_t* a, const uint8_t* b) {
+        return _mm512_cmpneq_epi8_mask(_mm512_loadu_si512(a), _mm512_loadu_si512(b)); } };
+template <> struct Lanes<uint16_t> {
+    static inline uint64_t neq(const uint16_t* a, const uint16_t* b) {
+        uint64_t lo = _mm512_cmpneq_epi16_mask(_mm512_loadu_si512(a), _mm512_loadu_si512(b));
+        uint64_t hi = _mm512_cmpneq_epi16_mask(_mm512_loadu_si512(a + 32), _mm512_loadu_si512(b + 32));
+        return lo | (hi << 32); } };
+template <> struct Lanes<uint32_t> {
+    static inline uint64_t neq(const uint32_t* a, const uint32_t* b) {
+        uint64_t m = 0;
+        for (int v = 0; v < 4; v++)
+            m |= (uint64_t)_mm512_cmpneq_epi32_mask(_mm512_loadu_si512(a + 16 * v),
+                                                    _mm512_loadu_si512(b + 16 * v)) << (16 * v);
+        return m; } };
+template <> struct Lanes<uint64_t> {
+    static inline uint64_t neq(const uint64_t* a, const uint64_t* b) {
+        uint64_t m = 0;
+        for (int v = 0; v < 8; v++)
+            m |= (uint64_t)_mm512_cmpneq_epi64_mask(_mm512_loadu_si512(a + 8 * v),
+                                                    _mm512_loadu_si512(b + 8 * v)) << (8 * v);
+        return m; } };
+#elif defined(__AVX2__)
+static inline __m256i ld(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
+template <> struct Lanes<uint8_t> {
+    static inline uint64_t neq(const uint8_t* a, const uint8_t* b) {
+        uint64_t lo = (uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(ld(a), ld(b)));
+        uint64_t hi = (uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(ld(a + 32), ld(b + 32)));
+        return ~(lo | (hi << 32)); } };
+template <> struct Lanes<uint16_t> {
+    static inline uint64_t neq(const uint16_t* a, const uint16_t* b) {
+        uint64_t m = 0;
+        for (int v = 0; v < 2; v++) {
+            __m256i e0 = _mm256_cmpeq_epi16(ld(a + 32 * v), ld(b + 32 * v));
+            __m256i e1 = _mm256_cmpeq_epi16(ld(a + 32 * v + 16), ld(b + 32 * v + 16));
+            __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi16(e0, e1), 0xD8);
+            m |= (uint64_t)(uint32_t)_mm256_movemask_epi8(p) << (32 * v);
+        }
+        return ~m; } };
+template <> struct Lanes<uint32_t> {
+    static inline uint64_t neq(const uint32_t* a, const uint32_t* b) {
+        uint64_t m = 0;
+        for (int v = 0; v < 8; v++)
+            m |= (uint64_t)_mm256_movemask_ps(_mm256_castsi256_ps(
+                     _mm256_cmpeq_epi32(ld(a + 8 * v), ld(b + 8 * v)))) << (8 * v);
+        return ~m; } };
+template <> struct Lanes<uint64_t> {
+    static inline uint64_t neq(const uint64_t* a, const uint64_t* b) {
+        uint64_t m = 0;
+        for (int v = 0; v < 16; v++)
+            m |= (uint64_t)_mm256_movemask_pd(_mm256_castsi256_pd(
+                     _mm256_cmpeq_epi64(ld(a + 4 * v), ld(b + 4 * v)))) << (4 * v);
+        return ~m; } };
+#else
+template <typename T> struct Lanes {
+    static inline uint64_t neq(const T* a, const T* b) {
+        uint64_t m = 0;
+        for (int j = 0; j < 64; j++) m |= (uint64_t)(a[j] != b[j]) << j;
+        return m; } };
+#endif
+
+template <typename T>
+static inline uint64_t neq_tail(const T* a, const T* b, int k) {
+    uint64_t m = 0;
+    for (int j = 0; j < k; j++) m |= (uint64_t)(a[j] != b[j]) << j;
+    return m;
+}
+
+template <typename T>
+static inline uint64_t sum_tail(const T* a, int64_t k) {
+    uint64_t s = 0;
+    for (int64_t j = 0; j < k; j++) s += a[j];
+    return s;
+}
+
+// The checksum: the sum of the granules as unsigned integers, modulo 2**64. 64 granules at a
+// time: from memory (add64) or, with AVX-512, from the sizeof(T) vectors that hold them (addv).
+#if RR_AVX512
+template <typename T> struct Summer {
+    __m512i acc = _mm512_setzero_si512(), acc32 = _mm512_setzero_si512();
+    int n = 0;
+    inline void flush() {
+        acc = _mm512_add_epi64(acc, _mm512_cvtepu32_epi64(_mm512_castsi512_si256(acc32)));
+        acc = _mm512_add_epi64(acc, _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(acc32, 1)));
+        acc32 = _mm512_setzero_si512();
+        n = 0; }
+    inline void addv(const __m512i* v) {
+        if (sizeof(T) == 1) {
+            acc = _mm512_add_epi64(acc, _mm512_sad_epu8(v[0], _mm512_setzero_si512()));
+        } else if (sizeof(T) == 2) {
+            const __m512i lo = _mm512_set1_epi32(0xFFFF);
+            __m512i s = _mm512_add_epi32(
+                _mm512_add_epi32(_mm512_and_si512(v[0], lo), _mm512_srli_epi32(v[0], 16)),
+                _mm512_add_epi32(_mm512_and_si512(v[1], lo), _mm512_srli_epi32(v[1], 16)));
+            acc32 = _mm512_add_epi32(acc32, s);      // at most 4 * 65535 per lane per call
+            if (++n == 4096) flush();
+        } else if (sizeof(T) == 4) {
+            for (int q = 0; q < 4; q++) {
+                acc = _mm512_add_epi64(acc, _mm512_cvtepu32_epi64(_mm512_castsi512_si256(v[q])));
+                acc = _mm512_add_epi64(acc, _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(v[q], 1)));
+            }
+        } else {
+            for (int q = 0; q < 8; q++) acc = _mm512_add_epi64(acc, v[q]);
+        } }
+    inline void add64(const T* a) {
+        __m512i v[sizeof(T)];
+        for (unsigned q = 0; q < sizeof(T); q++) v[q] = _mm512_loadu_si512(a + q * (64 / sizeof(T)));
+        addv(v); }
+    inline uint64_t total() { flush(); return (uint64_t)_mm512_reduce_add_epi64(acc); }
+};
+#else
+template <typename T> struct Summer {
+    uint64_t s = 0;
+    inline void add64(const T* a) { for (int j = 0; j < 64; j++) s += a[j]; }
+    inline uint64_t total() { return s; }
+};
+#endif
+
+// Change bits, little-endian: granule i is bit i % 8 of byte i / 8.
+struct BitWriter {
+    uint8_t* p; uint64_t acc; int fill;
+    inline void put(uint64_t m, int k) {            // k in 1..64, m only in the low k bits
+        if (fill == 0 && k == 64) { memcpy(p, &m, 8); p += 8; return; }
+        acc |= m << fill;
+        int f = fill + k;
+        if (f >= 64) {
+            memcpy(p, &acc, 8);
+            p += 8;
+            acc = fill ? (m >> (64 - fill)) : 0;
+            f -= 64;
+        }
+        fill = f; }
+    inline void flush() { int b = (fill + 7) / 8; memcpy(p, &acc, b); p += b; acc = 0; fill = 0; }
+};
+
+struct BitReader {
+    const uint8_t* p; int64_t nbytes; int64_t pos;
+    inline uint64_t get(int k) {                     // the next k (1..64) bits
+        int64_t byte = pos >> 3;
+        int sh = (int)(pos & 7);
+        uint64_t w = 0;
+        int64_t avail = nbytes - byte;
+        memcpy(&w, p + byte, avail >= 8 ? 8 : (size_t)avail);
+        w >>= sh;
+        if (sh && sh + k > 64) w |= (uint64_t)p[byte + 8] << (64 - sh);
+        pos += k;
+        return k == 64 ? w : w & ((1ull << k) - 1); }
+};
+
+template <typename T>
+static inline void take(const T* a, T* b, uint64_t m, int pc, T* vals, int64_t& c,
+                        int64_t cap, int32_t* idx, int64_t idx_cap, int64_t at) {
+    if (c < idx_cap) {
+        uint64_t mm = m;
+        for (int64_t cc = c; mm && cc < idx_cap; cc++) {
+            idx[cc] = (int32_t)(at + __builtin_ctzll(mm));
+            mm &= mm - 1;
+        }
+    }
+#if RR_AVX512 && defined(__AVX512VBMI2__)
+    if (sizeof(T) == 2) {
+        const uint16_t* a16 = (const uint16_t*)a;
+        uint16_t* b16 = (uint16_t*)b;
+        uint16_t* v16 = (uint16_t*)vals;
+        __m512i v0 = _mm512_loadu_si512(a16), v1 = _mm512_loadu_si512(a16 + 32);
+        uint32_t m0 = (uint32_t)m, m1 = (uint32_t)(m >> 32);
+        int64_t c1 = c + __builtin_popcount(m0);
+        if (c1 + 32 <= cap) {                        // room for whole vectors
+            _mm512_storeu_si512(v16 + c, _mm512_maskz_compress_epi16(m0, v0));
+            _mm512_storeu_si512(v16 + c1, _mm512_maskz_compress_epi16(m1, v1));
+        } else {
+            _mm512_mask_compressstoreu_epi16(v16 + c, m0, v0);
+            _mm512_mask_compressstoreu_epi16(v16 + c1, m1, v1);
+        }
+        _mm512_mask_storeu_epi16(b16, m0, v0);
+        _mm512_mask_storeu_epi16(b16 + 32, m1, v1);
+        c += pc;
+        return;
+    }
+    if (sizeof(T) == 1) {
+        __m512i v = _mm512_loadu_si512(a);
+        if (c + 64 <= cap) _mm512_storeu_si512(vals + c, _mm512_maskz_compress_epi8(m, v));
+        else _mm512_mask_compressstoreu_epi8(vals + c, m, v);
+        _mm512_mask_storeu_epi8(b, m, v);
+        c += pc;
+        return;
+    }
+#endif
+#if RR_AVX512
+    if (sizeof(T) == 4) {
+        for (int v = 0; v < 4; v++) {
+            __mmask16 k = (__mmask16)(m >> (16 * v));
+            __m512i x = _mm512_loadu_si512((const uint32_t*)a + 16 * v);
+            _mm512_mask_compressstoreu_epi32((uint32_t*)vals + c, k, x);
+            _mm512_mask_storeu_epi32((uint32_t*)b + 16 * v, k, x);
+            c += __builtin_popcount(k);
+        }
+        return;
+    }
+    if (sizeof(T) == 8) {
+        for (int v = 0; v < 8; v++) {
+            __mmask8 k = (__mmask8)(m >> (8 * v));
+            __m512i x = _mm512_loadu_si512((const uint64_t*)a + 8 * v);
+            _mm512_mask_compressstoreu_epi64((uint64_t*)vals + c, k, x);
+            _mm512_mask_storeu_epi64((uint64_t*)b + 8 * v, k, x);
+            c += __builtin_popcount(k);
+        }
+        return;
+    }
+#endif
+    while (m) {
+        int j = __builtin_ctzll(m);
+        m &= m - 1;
+        vals[c++] = a[j];
+        b[j] = a[j];
+    }
+}
+
+template <typename T>
+static int64_t encode(const int64_t* rows, int64_t n_rows, T* base, uint8_t* out,
+                      int64_t out_bytes, int32_t* idx, int64_t idx_cap, int64_t n,
+                      int64_t dense_at, int64_t probe_every, int64_t probe_from, double mostly,
+                      uint64_t* res) {
+    const int64_t head = (n + 7) / 8;
+    const int64_t vo = (head + sizeof(T) - 1) / sizeof(T) * sizeof(T);
+    T* vals = (T*)(out + vo);
+    const int64_t cap = (out_bytes - vo) / (int64_t)sizeof(T);
+    BitWriter bw{out, 0, 0};
+    Summer<T> sum;
+    uint64_t check = 0;
+    int64_t c = 0, seen = 0;
+    int64_t next_probe = probe_every > 0 ? probe_every : INT64_MAX;
+    for (int64_t r = 0; r < n_rows; r++) {
+        const T* src = (const T*)rows[2 * r];
+        const int64_t len = rows[2 * r + 1] / (int64_t)sizeof(T);
+        int64_t i = 0;
+        while (i < len) {
+            const T* a = src + i;
+            T* b = base + seen;
+            int64_t left = len - i, to_probe = next_probe - seen;
+            int k = (int)(left < 64 ? left : 64);
+            if (to_probe < k) k = (int)to_probe;
+            uint64_t m;
+            if (k == 64) {
+                m = Lanes<T>::neq(a, b);
+                sum.add64(a);
+            } else {
+                m = neq_tail(a, b, k);
+                check += sum_tail(a, k);
+            }
+            if (m) {
+                int pc = __builtin_popcountll(m);
+                if (c + pc > dense_at) goto dense;
+                if (k == 64) {
+                    take(a, b, m, pc, vals, c, cap, idx, idx_cap, seen);
+                } else {
+                    for (uint64_t mm = m; mm; mm &= mm - 1) {
+                        int j = __builtin_ctzll(mm);
+                        if (c < idx_cap) idx[c] = (int32_t)(seen + j);
+                        vals[c++] = a[j];
+                        b[j] = a[j];
+                    }
+                }
+            }
+            bw.put(m, k);
+            i += k;
+            seen += k;
+            if (seen == next_probe) {
+                next_probe += probe_every;
+                if (seen >= probe_from && (double)c > mostly * (double)seen) goto dense;
+            }
+        }
+    }
+    bw.flush();
+    memset(out + head, 0, vo - head);
+    res[0] = check + sum.total();
+    res[1] = c;
+    res[2] = 0;
+    return 0;
+dense:
+    res[0] = 0;
+    res[1] = c;
+    res[2] = 1;
+    {
+        int64_t pos = 0;                              // the rest of the new bytes, as they are
+        for (int64_t r = 0; r < n_rows; r++) {
+            const int64_t len = rows[2 * r + 1] / (int64_t)sizeof(T);
+            if (pos + len > seen) {
+                int64_t from = seen > pos ? seen - pos : 0;
+                memcpy(base + pos + from, (const T*)rows[2 * r] + from, (len - from) * sizeof(T));
+            }
+            pos += len;
+        }
+    }
+    return 1;
+}
+
+template <typename T>
+static uint64_t checksum_rows(const int64_t* rows, int64_t n_rows) {
+    Summer<T> sum;
+    uint64_t check = 0;
+    for (int64_t r = 0; r < n_rows; r++) {
+        const T* a = (const T*)rows[2 * r];
+        const int64_t len = rows[2 * r + 1] / (int64_t)sizeof(T);
+        int64_t i = 0;
+        for (; i + 64 <= len; i += 64) sum.add64(a + i);
+        check += sum_tail(a + i, len - i);
+    }
+    return check + sum.total();
+}
+
+// 64 granules at dst take the next values where m is set; adds them to the checksum.
+template <typename T>
+static inline void place64(T* dst, uint64_t m, const T* vals, int64_t& c, int64_t n_vals,
+                           Summer<T>& sum) {
+#if RR_AVX512
+#if defined(__AVX512VBMI2__)
+    constexpr bool vec = true;
+#else
+    constexpr bool vec = sizeof(T) >= 4;
+#endif
+    if constexpr (vec) {
+        constexpr int L = 64 / sizeof(T);
+        __m512i v[sizeof(T)];
+        for (unsigned q = 0; q < sizeof(T); q++) {
+            const uint64_t mq = L == 64 ? m : (m >> (q * L)) & ((1ull << L) - 1);
+            T* d = dst + q * L;
+            __m512i old = _mm512_loadu_si512(d);
+            if (!mq) { v[q] = old; continue; }
+            const T* p = vals + c;
+            const bool whole = c + L <= n_vals;      // a whole vector may be read
+            __m512i x;
+            if constexpr (sizeof(T) == 1) {
+#if defined(__AVX512VBMI2__)
+                x = whole ? _mm512_mask_expand_epi8(old, mq, _mm512_loadu_si512(p))
+                          : _mm512_mask_expandloadu_epi8(old, mq, p);
+                _mm512_mask_storeu_epi8(d, mq, x);
+#endif
+            } else if constexpr (sizeof(T) == 2) {
+#if defined(__AVX512VBMI2__)
+                x = whole ? _mm512_mask_expand_epi16(old, (__mmask32)mq, _mm512_loadu_si512(p))
+                          : _mm512_mask_expandloadu_epi16(old, (__mmask32)mq, p);
+                _mm512_mask_storeu_epi16(d, (__mmask32)mq, x);
+#endif
+            } else if constexpr (sizeof(T) == 4) {
+                x = whole ? _mm512_mask_expand_epi32(old, (__mmask16)mq, _mm512_loadu_si512(p))
+                          : _mm512_mask_expandloadu_epi32(old, (__mmask16)mq, p);
+                _mm512_mask_storeu_epi32(d, (__mmask16)mq, x);
+            } else {
+                x = whole ? _mm512_mask_expand_epi64(old, (__mmask8)mq, _mm512_loadu_si512(p))
+                          : _mm512_mask_expandloadu_epi64(old, (__mmask8)mq, p);
+                _mm512_mask_storeu_epi64(d, (__mmask8)mq, x);
+            }
+            v[q] = x;
+            c += __builtin_popcountll(mq);
+        }
+        sum.addv(v);
+        return;
+    }
+#endif
+    for (uint64_t mm = m; mm; mm &= mm - 1) dst[__builtin_ctzll(mm)] = vals[c++];
+    sum.add64(dst);
+}
+
+template <typename T>
+static int64_t apply_mask(const int64_t* rows, int64_t n_rows, const uint8_t* payload,
+                          int64_t size, int64_t n, uint64_t* res) {
+    const int64_t head = (n + 7) / 8;
+    const int64_t vo = (head + sizeof(T) - 1) / sizeof(T) * sizeof(T);
+    if (size < vo || (size - vo) % (int64_t)sizeof(T)) return -1;
+    const int64_t n_vals = (size - vo) / (int64_t)sizeof(T);
+    int64_t total = 0;                                // set bits must match the values
+    for (int64_t b = 0; b < n / 8; b++) total += __builtin_popcount(payload[b]);
+    if (n % 8) total += __builtin_popcount(payload[n / 8] & ((1u << (n % 8)) - 1));
+    if (total != n_vals) return -1;
+    const T* vals = (const T*)(payload + vo);
+    BitReader br{payload, head, 0};
+    Summer<T> sum;
+    uint64_t check = 0;
+    int64_t c = 0;
+    for (int64_t r = 0; r < n_rows; r++) {
+        T* dst = (T*)rows[2 * r];
+        const int64_t len = rows[2 * r + 1] / (int64_t)sizeof(T);
+        int64_t i = 0;
+        for (; i + 64 <= len; i += 64) place64(dst + i, br.get(64), vals, c, n_vals, sum);
+        if (i < len) {
+            const int k = (int)(len - i);
+            for (uint64_t mm = br.get(k); mm; mm &= mm - 1) dst[i + __builtin_ctzll(mm)] = vals[c++];
+            check += sum_tail(dst + i, k);
+        }
+    }
+    res[0] = check + sum.total();
+    res[1] = c;
+    return 0;
+}
+
+template <typename T>
+static int64_t apply_index(const int64_t* rows, int64_t n_rows, const uint8_t* payload,
+                           int64_t size, int64_t n, uint64_t* res) {
+    const int64_t count = size / (4 + (int64_t)sizeof(T));   // padding is under one granule
+    const int64_t vo = (4 * count + sizeof(T) - 1) / sizeof(T) * sizeof(T);
+    if (vo + count * (int64_t)sizeof(T) != size) return -1;
+    const int32_t* idx = (const int32_t*)payload;
+    const T* vals = (const T*)(payload + vo);
+    int64_t prev = -1;
+    for (int64_t k = 0; k < count; k++) {             // increasing, inside the bucket
+        if (idx[k] <= prev || idx[k] >= n) return -1;
+        prev = idx[k];
+    }
+    int64_t r = 0, start = 0, len = n_rows ? rows[1] / (int64_t)sizeof(T) : 0;
+    for (int64_t k = 0; k < count; k++) {
+        while (idx[k] >= start + len) {
+            start += len;
+            r++;
+            len = rows[2 * r + 1] / (int64_t)sizeof(T);
+        }
+        ((T*)rows[2 * r])[idx[k] - start] = vals[k];
+    }
+    res[0] = checksum_rows<T>(rows, n_rows);
+    res[1] = count;
+    return 0;
+}
+
+#define RR_BY_GRANULE(g, call) \
+    switch (g) { case 1: { typedef uint8_t T; return call; } case 2: { typedef uint16_t T; return call; } \
+                 case 4: { typedef uint32_t T; return call; } case 8: { typedef uint64_t T; return call; } }
+
+extern "C" {
+
+int64_t rr_delta_encode(const int64_t* rows, int64_t n_rows, uint8_t* base, uint8_t* out,
+                        int64_t out_bytes, int32_t* idx, int64_t idx_cap, int64_t g, int64_t n,
+                        int64_t dense_at, int64_t probe_every, int64_t probe_from,
+                        double mostly, uint64_t* res) {
+    RR_BY_GRANULE(g, encode<T>(rows, n_rows, (T*)base, out, out_bytes, idx, idx_cap, n,
+                               dense_at, probe_every, probe_from, mostly, res))
+    return -2;
+}
+
+// kind 0: checksum only; 1: a mask payload; 2: an index payload. res[0]: the checksum.
+int64_t rr_delta_apply(int64_t kind, const int64_t* rows, int64_t n_rows, const uint8_t* payload,
+                       int64_t size, int64_t g, int64_t n, uint64_t* res) {
+    if (kind == 0) {
+        RR_BY_GRANULE(g, (res[0] = checksum_rows<T>(rows, n_rows), res[1] = 0, (int64_t)0))
+    } else if (kind == 1) {
+        RR_BY_GRANULE(g, apply_mask<T>(rows, n_rows, payload, size, n, res))
+    } else if (kind == 2) {
+        RR_BY_GRANULE(g, apply_index<T>(rows, n_rows, payload, size, n, res))
+    }
+    return -2;
+}
+
+}
+"""
+
+_LOCK = threading.Lock()
+_KERNEL = None
+_FAILED: Optional[str] = None
+FLAGS = ("-O3", "-march=native")          # the host's own instruction set (cached per CPU)
+
+
+class HostKernel:
+    """The compiled kernel's two entry points (see the module docstring)."""
+
+    def __init__(self, lib: ctypes.CDLL, path: str):
+        self.path = path
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._encode = lib.rr_delta_encode
+        self._encode.restype = i64
+        self._encode.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64,
+                                 ctypes.c_double, ptr]
+        self._apply = lib.rr_delta_apply
+        self._apply.restype = i64
+        self._apply.argtypes = [i64, ptr, i64, ptr, i64, i64, i64, ptr]
+
+    def encode(self, rows, base: int, out: int, out_bytes: int, idx: int, idx_cap: int, g: int,
+               n: int, dense_at: int, probe_every: int, probe_from: int, mostly: float
+               ) -> tuple[int, int, bool]:
+        """(checksum as unsigned, granules changed, stopped dense) of rows `rows` ((k, 2)
+        int64, C order) against the baseline at address `base`."""
+        import numpy as np
+        res = np.zeros(3, dtype=np.uint64)
+        code = self._encode(rows.ctypes.data, len(rows), base, out, out_bytes, idx, idx_cap, g,
+                            n, dense_at, probe_every, probe_from, mostly, res.ctypes.data)
+        if code < 0:
+            raise ValueError(f"delta kernel: granule {g} is not 1, 2, 4 or 8")
+        return int(res[0]), int(res[1]), bool(code)
+
+    def apply(self, kind: int, rows, payload: int, size: int, g: int, n: int) -> Optional[int]:
+        """The checksum (unsigned) of the rows after applying the payload (kind 0: nothing to
+        apply, 1: mask, 2: index), or None when the payload does not fit the bucket (nothing
+        written then)."""
+        import numpy as np
+        res = np.zeros(2, dtype=np.uint64)
+        code = self._apply(kind, rows.ctypes.data, len(rows), payload, size, g, n,
+                           res.ctypes.data)
+        if code == -2:
+            raise ValueError(f"delta kernel: kind {kind} or granule {g} unknown")
+        return None if code else int(res[0])
+
+
+def _cache_dirs() -> list:
+    dirs = []
+    if os.environ.get("RAY_RESHARD_KERNEL_CACHE"):
+        dirs.append(os.environ["RAY_RESHARD_KERNEL_CACHE"])
+    dirs.append(os.path.join(os.environ.get("XDG_CACHE_HOME") or
+                             os.path.join(os.path.expanduser("~"), ".cache"), "ray_reshard"))
+    dirs.append(os.path.join(tempfile.gettempdir(), f"ray_reshard-{os.getuid()}"))
+    return dirs
+
+
+def _cpu_signature() -> str:
+    """What `-march=native` compiles for: the CPU's model and feature flags."""
+    sig = [platform.machine()]
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags", "Features", "CPU part")):
+                    sig.append(line.strip())
+                if len(sig) > 3:
+                    break
+    except OSError:
+        pass
+    return "\n".join(sig)
+
+
+def compiler() -> Optional[str]:
+    """The C++ compiler the kernel is built with ($CXX, else g++ or c++ on PATH)."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def build(flags=FLAGS, source: str = SOURCE) -> HostKernel:
+    """Compile `source` with `flags` (or load it from the cache) and load it; raises on a
+    missing compiler or a failed build (its output in the message)."""
+    cxx = compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++ or c++ on PATH, or $CXX)")
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout.splitlines()[:1]
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(f"{cxx} does not run: {e}") from e
+    key = hashlib.sha256("\0".join([source, " ".join(flags), cxx, *version,
+                                    _cpu_signature()]).encode()).hexdigest()[:20]
+    errors = []
+    for d in _cache_dirs():
+        path = os.path.join(d, f"delta_{key}.so")
+        if not os.path.exists(path):
+            try:
+                os.makedirs(d, exist_ok=True)
+                with open(os.path.join(d, f"delta_{key}.lock"), "w") as lock:
+                    fcntl.flock(lock, fcntl.LOCK_EX)      # one process of the host builds it
+                    if not os.path.exists(path):
+                        _compile(cxx, flags, source, d, path)
+            except OSError as e:
+                errors.append(f"{d}: {e}")
+                continue
+        return HostKernel(ctypes.CDLL(path), path)
+    raise RuntimeError("no writable directory for the compiled kernel: " + "; ".join(errors))
+
+
+def _compile(cxx: str, flags, source: str, d: str, path: str) -> None:
+    fd, src = tempfile.mkstemp(suffix=".cpp", dir=d)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(source)
+        tmp = src[:-4] + ".so"
+        p = subprocess.run([cxx, *flags, "-shared", "-fPIC", "-o", tmp, src],
+                           capture_output=True, text=True, timeout=300)
+        if p.returncode != 0:
+            raise RuntimeError(f"{cxx} {' '.join(flags)} failed: "
+                               f"{(p.stderr or p.stdout)[-2000:]}")
+        os.replace(tmp, path)             # whole or not at all
+    finally:
+        os.unlink(src)
+
+
+def kernel() -> Optional[HostKernel]:
+    """The process's host kernel, built on first use, or None where it cannot be (see
+    `why_not`; the codec then runs torch ops, and a warning says why once)."""
+    global _KERNEL, _FAILED
+    if _KERNEL is None and _FAILED is None:
+        with _LOCK:
+            if _KERNEL is None and _FAILED is None:
+                try:
+                    try:
+                        _KERNEL = build()
+                    except RuntimeError:
+                        if compiler() is None:
+                            raise
+                        _KERNEL = build(("-O3",))       # a compiler without -march=native
+                except Exception as e:
+                    _FAILED = f"{type(e).__name__}: {e}"
+                    warnings.warn(f"ray_reshard: the delta codec's host kernel is not available "
+                                  f"({_FAILED}); host buckets are encoded with torch ops, "
+                                  f"several times slower", RuntimeWarning, stacklevel=2)
+    return _KERNEL
+
+
+def why_not() -> Optional[str]:
+    """Why the host kernel is not available here (None: it is)."""
+    kernel()
+    return _FAILED
