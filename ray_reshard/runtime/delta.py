@@ -2,18 +2,21 @@
 baseline, applied by the receiver onto what it holds (see docs/delta.md for the protocol).
 
 A sender keeps, per installed program, a baseline: the bytes of each network bucket it sent in
-its last delta refit (`Baselines`, in device or host memory). Before its network transfers a
-process running a delta refit
-1. tells each process it sends to nothing and each it receives from the version its
-   destination shards hold (`held`: the group version of the last refit that finished in it,
-   None when unknown), one small message per peer;
-2. as a sender, packs each network bucket, encodes it against its baseline where the receiver
-   holds the baseline's version (else it travels DENSE: a fallback, named in the stats), and
-   stores the new bytes as the baseline; then sends each receiver one header per bucket
-   (encoding, payload bytes, checksum of the new bytes);
-3. runs its program with each network bucket's payload in place of its bytes: a receiver packs
-   its destination regions (the baseline's bytes), applies the payload, checks the checksum
-   and unpacks; a DENSE payload is unpacked as is, a SAME one is not sent.
+its last delta refit (`Baselines`, in device or host memory). A process running a delta refit
+1. before its program, tells each process it sends to nothing and each it receives from the
+   version its destination shards hold (`held`: the group version of the last refit that
+   finished in it, None when unknown), one small message per peer; a sender encodes for a
+   receiver only where it holds the baseline's version (else dense: a fallback, named);
+2. per network group of its program (the executor's), as a sender encodes each bucket against
+   its baseline (`encode`: one pass over the source regions where they are plain host memory,
+   leaving the new bytes in the baseline), while the groups before it are on the wire; every
+   process then exchanges one header per bucket of the group (encoding, payload bytes,
+   checksum of the new bytes) and posts the payloads: a dense bucket travels as a dense refit
+   sends it (its items in place where they are large), a same one not at all;
+3. as a receiver applies each payload as it arrives (`apply`: straight into its destination
+   regions where they are plain host memory, with the checksum) and compares the checksum. A
+   mismatch (the destination changed outside refits) is recorded, not raised, so the refit
+   ends cleanly everywhere and fails as a whole, naming the receiver (`mismatches`).
 The baseline's version is confirmed only when the driver says the refit finished everywhere
 (`Baselines.settle`); a refit that failed leaves it unconfirmed, so the next one is dense.
 """
@@ -29,7 +32,7 @@ from ..execution.program import SEND, RECV
 from ..planning.planner import NETWORK
 
 BASELINE_PLACES = ("device", "host")
-_HEADER = 3                     # int64 per bucket: encoding, payload bytes, checksum
+HEADER = 3                      # int64 per bucket: encoding, payload bytes, checksum
 
 
 class DeltaMismatch(RuntimeError):
@@ -50,7 +53,7 @@ class Baselines:
         self.version: Optional[int] = None
         self.pending: Optional[int] = None
         self.buffers: dict = {}
-        self.scratch: dict = {}       # device -> bucket-sized scratch buffer
+        self.scratch: dict = {}       # (device, use) -> bucket-sized scratch buffer
 
     def settle(self, committed: int) -> None:
         """The group's version is `committed`: a pending baseline of that version holds."""
@@ -68,15 +71,19 @@ class Baselines:
         """Memory held: baselines and scratch buffers."""
         return sum(t.numel() for t in (*self.buffers.values(), *self.scratch.values()))
 
-    def scratch_for(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        buf = self.scratch.get(device)
+    def scratch_for(self, nbytes: int, device: torch.device, use: str = "bucket"
+                    ) -> torch.Tensor:
+        buf = self.scratch.get((device, use))
         if buf is None or buf.numel() < nbytes:
-            buf = self.scratch[device] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            buf = self.scratch[(device, use)] = (
+                _host(nbytes, pin=True) if use.startswith("host") else
+                torch.empty(nbytes, dtype=torch.uint8, device=device))
         return buf[:nbytes]
 
 
-def _host(nbytes: int, device: torch.device) -> torch.Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+def _host(nbytes: int, pin: bool) -> torch.Tensor:
+    """Host memory for a bucket (pinned for a GPU's copies)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
 
 def granule_of(part) -> int:
@@ -85,27 +92,29 @@ def granule_of(part) -> int:
 
 
 class DeltaRun:
-    """One delta refit of one process: the exchanges before its program runs, then per network
-    bucket the payload to send (`message`), its size (`size`) and how to apply it (`apply`)."""
+    """One delta refit of one process: the version exchange before its program, then per
+    network bucket its encoding (`encode`, a sender), its header and payload, and how to apply
+    it (`apply`, a receiver)."""
 
     def __init__(self, baselines: Baselines, version: int, held: Optional[int],
                  device: torch.device, pid: int):
         self.baselines, self.version, self.held, self.device = baselines, version, held, device
         self.pid = pid
-        self.messages: dict = {}      # step key -> payload to send (None: SAME)
+        self.codec = codec.codec_for(device)
+        self.ok: dict = {}            # receiving process -> whether it holds the baseline's
+        self.sends: dict = {}         # step key -> (kind, size, dense bytes or None)
         self.headers: dict = {}       # step key -> (kind, size, checksum) of a receive
         self.encodings = {name: 0 for name in codec.KINDS.values()}
         self.granules = self.changed = 0
         self.dense_bytes = self.sent_bytes = 0
         self.fallbacks: list = []
-        self.clock: dict = {}
-        self.clock_parts = {"pack": 0.0, "compare": 0.0, "keep": 0.0}
+        self.mismatches: list = []
+        self.clock = {"versions": 0.0, "encode": 0.0, "headers": 0.0, "apply": 0.0}
 
     # ------------------------------------------------------------------ before the program
     def start(self, steps: list, net, deadline: float) -> None:
-        """Exchange versions, encode this process's network sends, exchange headers."""
-        now = time.perf_counter
-        t0 = now()
+        """Exchange versions: decide, per receiving process, delta or dense."""
+        t0 = time.perf_counter()
         sends = [s for s in steps if s.kind == SEND and s.path == NETWORK]
         recvs = [s for s in steps if s.kind == RECV and s.path == NETWORK]
         to = sorted({s.peer for s in sends})
@@ -113,151 +122,150 @@ class DeltaRun:
         mine = torch.tensor([-1 if self.held is None else self.held], dtype=torch.int64,
                             device=self.device)
         theirs = {p: torch.empty(1, dtype=torch.int64, device=self.device) for p in to}
-        self._exchange(net, [(p, mine, True) for p in frm] +
-                       [(p, theirs[p], False) for p in to], deadline, "delta: versions")
+        ops = [(p, mine, True) for p in frm] + [(p, theirs[p], False) for p in to]
+        if ops:
+            net.complete(net.post_group(ops), deadline, "delta: versions")
         held = {p: int(t.item()) for p, t in theirs.items()}
-        t1 = now()
         b = self.baselines
         base_version = b.version
         b.version, b.pending = None, self.version      # rewritten from here on
-        out = {p: [] for p in to}
-        named: set = set()             # peers whose fallback is named already
-        for s in sends:
-            ok = base_version is not None and held[s.peer] == base_version
-            if not ok and s.peer not in named:
-                named.add(s.peer)
-                theirs = "an unknown version" if held[s.peer] < 0 else f"v{held[s.peer]}"
+        for p in to:
+            self.ok[p] = base_version is not None and held[p] == base_version
+            if not self.ok[p]:
+                theirs_v = "an unknown version" if held[p] < 0 else f"v{held[p]}"
                 why = ("no baseline yet" if base_version is None else
-                       f"it holds {theirs}, the baseline is v{base_version}")
-                self.fallbacks.append(f"process {self.pid} -> {s.peer}: dense ({why})")
-            out[s.peer].extend(self._encode(s, ok and s.delta_ok))
-        t2 = now()
-        heads = {p: torch.tensor(v, dtype=torch.int64, device=self.device) for p, v in out.items()}
-        got = {p: torch.empty(_HEADER * sum(1 for s in recvs if s.peer == p), dtype=torch.int64,
-                              device=self.device) for p in frm}
-        self._exchange(net, [(p, t, True) for p, t in heads.items()] +
-                       [(p, t, False) for p, t in got.items()], deadline, "delta: headers")
-        rows = {p: t.view(-1, _HEADER).tolist() for p, t in got.items()}
-        self.clock = {"versions": t1 - t0, "encode": t2 - t1, "headers": now() - t2,
-                      **{f"encode_{k}": v for k, v in self.clock_parts.items()}}
-        at = {p: 0 for p in frm}
-        for s in recvs:
-            kind, size, check = rows[s.peer][at[s.peer]]
-            at[s.peer] += 1
-            if not 0 <= size <= s.nbytes or kind not in codec.KINDS:
-                raise ValueError(f"delta header from process {s.peer} for a {s.nbytes}-byte "
-                                 f"bucket: encoding {kind}, {size} bytes")
-            self.headers[s.key] = (kind, size, check)
+                       f"it holds {theirs_v}, the baseline is v{base_version}")
+                self.fallbacks.append(f"process {self.pid} -> {p}: dense ({why})")
+        self.clock["versions"] = time.perf_counter() - t0
 
-    @staticmethod
-    def _exchange(net, ops: list, deadline: float, what: str) -> None:
-        if ops:
-            net.complete(net.post_group(ops), deadline, what)
-
-    def _encode(self, s, delta: bool) -> list:
-        """Pack a network send, encode it against its baseline (when `delta`), keep the new
-        bytes as the baseline; returns its header."""
+    # ------------------------------------------------------------------ a sender
+    def encode(self, s, out: torch.Tensor) -> list:
+        """Encode network send `s` into `out` (a staging buffer of at least its bytes, on the
+        process's device) and keep the new bytes as its baseline; returns its header."""
+        t0 = time.perf_counter()
         b, part, n = self.baselines, s.send, s.nbytes
+        g = granule_of(part)
         base = b.buffers.get(s.key)
         fresh = base is None or base.numel() != n
         if fresh:
             base = b.buffers[s.key] = (torch.empty(n, dtype=torch.uint8, device=self.device)
-                                       if b.place == "device" else _host(n, self.device))
+                                       if b.place == "device" else _host(n, self.device.type == "cuda"))
         self.dense_bytes += n
-        g = granule_of(part)
         self.granules += n // g
-        if not delta or fresh:
-            if base.device == self.device:
-                part.pack(base, cache=False)
-                msg = base
-            else:                              # a host baseline of a GPU's bucket
+        if fresh or not (self.ok[s.peer] and s.delta_ok):
+            self._refresh(part, base, out)
+            enc = codec.Encoded(codec.DENSE, n, n // g)
+        else:
+            enc = self._encode(part, base, out, g, n)
+        if enc.kind == codec.DENSE:
+            # the new bytes: the baseline, untouched until the next refit; a host baseline of
+            # a GPU's bucket left them in `out` too (see _refresh, _encode)
+            on_out = base.device != self.device
+            self.sends[s.key] = (codec.DENSE, n, out[:n] if on_out else base, on_out)
+        else:
+            self.sends[s.key] = (enc.kind, enc.nbytes, None, enc.kind != codec.SAME)
+        self._count(enc.kind, enc.nbytes, enc.changed)
+        self.clock["encode"] += time.perf_counter() - t0
+        return [enc.kind, enc.nbytes, enc.check]
+
+    def _refresh(self, part, base: torch.Tensor, out: torch.Tensor) -> None:
+        """The baseline takes the bucket's new bytes (a bucket sent dense)."""
+        if base.device == self.device:
+            part.pack(base, cache=False)
+        else:
+            part.pack(out)
+            base.copy_(out[:base.numel()])
+
+    def _encode(self, part, base: torch.Tensor, out: torch.Tensor, g: int,
+                n: int) -> codec.Encoded:
+        b = self.baselines
+        if self.device.type == "cpu":
+            rows = part.byte_rows() if self.codec.name == "host" else None
+            if rows is None:
                 new = b.scratch_for(n, self.device)
                 part.pack(new)
-                base.copy_(new)
-                msg = base.to(self.device)
-            self._count(codec.DENSE, n, n // g)
-            self.messages[s.key] = msg
-            return [codec.DENSE, n, 0]
-        t0 = time.perf_counter()
+                rows = new
+            return self.codec.encode(rows, base, out, g, probe=True)
         new = b.scratch_for(n, self.device)
         part.pack(new)
-        cur = new
-        if base.device != new.device:          # a host baseline: compare on the host
-            cur = b.scratch_for(n, base.device) if base.device.type == "cpu" else new
-            cur.copy_(new)
-        t1 = time.perf_counter()
-        enc = codec.encode(cur, base, g)
-        t2 = time.perf_counter()
-        if cur is new and b.scratch[self.device].numel() == n:
-            # the new bytes become the baseline and the old baseline the scratch: no copy
-            b.buffers[s.key], b.scratch[self.device] = b.scratch[self.device], base
-            base = b.buffers[s.key]
-        else:
-            base.copy_(cur)
-        self.clock_parts["pack"] += t1 - t0
-        self.clock_parts["compare"] += t2 - t1
-        self.clock_parts["keep"] += time.perf_counter() - t2
-        if enc.kind == codec.DENSE:
-            msg = base if base.device == self.device else base.to(self.device)
-        elif enc.kind == codec.SAME:
-            msg = None
-        else:
-            msg = enc.payload.to(self.device)
-        self.messages[s.key] = msg
-        self._count(enc.kind, 0 if msg is None else msg.numel(), enc.changed)
-        return [enc.kind, 0 if msg is None else msg.numel(), enc.check]
+        if base.device == self.device:
+            return self.codec.encode(new, base, out, g)
+        # a host baseline of a GPU's bucket: compared on the host, the payload copied back
+        host = codec.codec_for(base.device)
+        cur = b.scratch_for(n, base.device, "host new")
+        cur.copy_(new)
+        hout = b.scratch_for(n, base.device, "host out")
+        enc = host.encode(cur, base, hout, g, probe=True)
+        if enc.kind in (codec.MASK, codec.INDEX):
+            out[:enc.nbytes].copy_(enc.payload, non_blocking=True)
+        elif enc.kind == codec.DENSE:
+            out[:n].copy_(new)
+        return enc
 
     def _count(self, kind: int, size: int, changed: int) -> None:
         self.encodings[codec.KINDS[kind]] += 1
         self.sent_bytes += size
         self.changed += changed
 
-    # ------------------------------------------------------------------ while it runs
-    def message(self, s) -> Optional[torch.Tensor]:
-        return self.messages[s.key]
+    def send(self, s) -> tuple:
+        """(kind, payload bytes, the new bytes of a DENSE one or None, whether what travels
+        lies in the `out` buffer `encode` was given) of an encoded send."""
+        return self.sends[s.key]
 
-    def size(self, s) -> int:
-        return self.headers[s.key][1]
+    # ------------------------------------------------------------------ a receiver
+    def take_header(self, s, row) -> None:
+        """The header of network receive `s`, as its sender sent it."""
+        kind, size, check = (int(x) for x in row)
+        if not 0 <= size <= s.nbytes or kind not in codec.KINDS or \
+                (kind == codec.DENSE and size != s.nbytes):
+            raise ValueError(f"delta header from process {s.peer} for a {s.nbytes}-byte "
+                             f"bucket: encoding {kind}, {size} bytes")
+        self.headers[s.key] = (kind, size, check)
+
+    def header(self, s) -> tuple:
+        return self.headers[s.key]
 
     def wire_bytes(self, s) -> int:
         """Bytes a network bucket's payload took on the wire."""
-        if s.kind == SEND:
-            msg = self.messages[s.key]
-            return 0 if msg is None else msg.numel()
-        return self.headers[s.key][1]
+        return self.sends[s.key][1] if s.kind == SEND else self.headers[s.key][1]
 
-    def apply(self, s, buf: torch.Tensor) -> None:
-        """Apply a received payload `buf` to the receiving part's regions."""
+    def apply(self, s, buf: Optional[torch.Tensor]) -> None:
+        """Apply a received MASK or INDEX payload `buf` (None: SAME) onto the receiving part's
+        regions and check the result; a mismatch is recorded in `mismatches`."""
+        t0 = time.perf_counter()
         kind, size, check = self.headers[s.key]
-        part = s.recv
-        if kind == codec.DENSE:
-            part.unpack(buf)
-            return
-        cur = self.baselines.scratch_for(s.nbytes, self.device)
-        part.pack(cur)
-        if kind != codec.SAME:
-            codec.decode(kind, buf, cur, granule_of(part))
-        got = codec.checksum(cur)
+        part, n = s.recv, s.nbytes
+        g = granule_of(part)
+        rows = (part.byte_rows() if self.device.type == "cpu" and self.codec.name == "host"
+                else None)
+        if rows is not None:
+            got = self.codec.apply(kind, buf, rows, g)
+        else:
+            cur = self.baselines.scratch_for(n, self.device)
+            part.pack(cur)
+            got = self.codec.apply(kind, buf, cur, g)
+            if kind != codec.SAME and got == check:
+                part.unpack(cur)
         if got != check:
-            raise DeltaMismatch(
-                f"a {s.nbytes}-byte bucket from process {s.peer} does not match after applying "
-                f"its delta (checksum {got} != {check}): the destination shards changed outside "
-                f"refits since v{self.held}; the next refit sends them dense")
-        if kind != codec.SAME:
-            part.unpack(cur)
+            self.mismatches.append(
+                f"a {n}-byte bucket from process {s.peer} does not match after applying its "
+                f"delta (checksum {got} != {check}): the destination shards changed outside "
+                f"refits since v{self.held}")
+        self.clock["apply"] += time.perf_counter() - t0
 
     def stats(self) -> dict:
         return {"network_bytes": self.sent_bytes, "dense_network_bytes": self.dense_bytes,
                 "granules": self.granules, "changed_granules": self.changed,
                 "encodings": dict(self.encodings),
-                "fallbacks": list(self.fallbacks),
-                "baseline_bytes": self.baselines.nbytes, "clock": self.clock}
+                "fallbacks": list(self.fallbacks), "mismatches": list(self.mismatches),
+                "baseline_bytes": self.baselines.nbytes, "clock": dict(self.clock)}
 
 
 def summarize(per: list) -> Optional[dict]:
     """A delta refit's figures from every process's: network bytes sent (payloads) and what a
     dense refit sends, granules compared and found changed, buckets per encoding, the
-    sender->receiver pairs sent dense and why, and the largest baseline memory of a process."""
+    sender->receiver pairs sent dense and why, receivers whose bytes did not match, and the
+    largest baseline memory of a process."""
     parts = [st["delta"] for st in per if "delta" in st]
     if not parts:
         return None
@@ -265,5 +273,6 @@ def summarize(per: list) -> Optional[dict]:
            ("network_bytes", "dense_network_bytes", "granules", "changed_granules")}
     out["encodings"] = {k: sum(d["encodings"][k] for d in parts) for k in parts[0]["encodings"]}
     out["fallbacks"] = [f for d in parts for f in d["fallbacks"]]
+    out["mismatches"] = [f for d in parts for f in d.get("mismatches", ())]
     out["baseline_bytes"] = max(d["baseline_bytes"] for d in parts)
     return out

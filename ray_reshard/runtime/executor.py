@@ -55,6 +55,8 @@ from ..planning.plan import default_window, gc_paused, group_span
 from ..planning.planner import NETWORK
 from ..execution.program import COPY, SEND, Program
 from .channel import Channel, NetChannel, RingChannel
+from .delta import HEADER
+from ..execution.delta import DENSE as DELTA_DENSE, SAME as DELTA_SAME
 
 
 class Staging:
@@ -130,10 +132,8 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
     carried: dict = {}
     may_carry = rings is not None and net.polls
     left_behind = 0              # ring receives runs left behind (counted per run)
-    if delta is not None:        # versions, encoding and headers before any bucket moves
-        t0 = now()
+    if delta is not None:        # versions before any bucket moves (see delta.py)
         delta.start(prog.steps, net, deadline)
-        clock["delta_encode"] = now() - t0
 
     def take_carried():
         for key in list(carried):
@@ -144,17 +144,7 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
                 del carried[key]
         rings.poll()
 
-    def wait_one():
-        handle, s, is_recv, si, after = pending.popleft()
-        t0 = now()
-        what = f"{'recv from' if is_recv else 'send to'} process {s.peer}"
-        if handle is _UNSENT:   # a delta bucket that did not change: nothing travelled
-            if is_recv:         # complete in order (a forward waits on its last bucket)
-                t1 = now()
-                after()         # checks that the destination still holds it
-                clock["unpack"] += now() - t1
-                done.add(s.key)
-            return
+    def net_wait(handle, what):
         if carried:
             take_carried()
         if rings is not None and not net.done(handle):
@@ -168,14 +158,24 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
                     if time.monotonic() >= deadline:
                         raise
         net.complete(handle, deadline, what)
+
+    def wait_one():
+        handle, s, is_recv, si, after = pending.popleft()
+        t0 = now()
+        if handle is _UNSENT:   # a delta bucket that did not change: nothing travelled
+            if is_recv:         # complete in order (a forward waits on its last bucket)
+                after()         # checks that the destination still holds it
+                clock["unpack"] += now() - t0
+                done.add(s.key)
+            return
+        net_wait(handle, f"{'recv from' if is_recv else 'send to'} process {s.peer}")
         t1 = now()
         clock["wait"] += t1 - t0
         if after is not None:
             after()
             clock["unpack"] += now() - t1
         if si >= 0:
-            staging.release(si)
-            peak_staged[0] -= 1
+            unstage(si)
         n = left[s.key] - 1
         left[s.key] = n
         if n == 0 and is_recv:
@@ -188,6 +188,103 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
         peak_staged[0] += 1
         peak_staged[1] = max(peak_staged[1], peak_staged[0])
         return si, staging.buffers[si][:nbytes]
+
+    def unstage(si):
+        staging.release(si)
+        peak_staged[0] -= 1
+
+    def post_per_item(st, sending, msgs=None):
+        """A step's items as their own messages: the regions themselves where they can be
+        (`msgs`: given, else the part's), the others through one staging buffer at their
+        offsets in the bucket; returns (ops, staging index or -1, what to do once received)."""
+        part = st.send if sending else st.recv
+        if msgs is None:
+            msgs = part.messages(sending)
+        staged = [k for k, m in enumerate(msgs) if m is None]
+        si, buf = stage(st.nbytes) if staged else (-1, None)
+        after = None
+        if buf is not None:
+            slots = {k: buf[part.offsets[k]:part.offsets[k] + part.item_bytes[k]]
+                     for k in staged}
+            if sending:
+                t0 = now()
+                for k in staged:
+                    part.pack_item(k, slots[k])
+                clock["pack"] += now() - t0
+            else:
+                after = lambda part=part, slots=slots: [part.unpack_item(k, b)
+                                                        for k, b in slots.items()]
+            msgs = [m if m is not None else slots[k] for k, m in enumerate(msgs)]
+        return [(st.peer, m, sending) for m in msgs], si, after
+
+    def delta_group(batch):
+        """A network group of a delta refit (see delta.py): the receives of earlier groups
+        applied first (while this group's senders encode), this group's sends encoded, one
+        header per bucket exchanged, then the payloads posted as one group."""
+        while any(e[2] for e in pending):
+            wait_one()
+        heads, outs, hdr_ops = {}, {}, []
+        for st in batch:
+            if st.kind == SEND:
+                si, out = stage(st.nbytes)
+                head = delta.encode(st, out)
+                if not delta.send(st)[3]:       # nothing travels out of `out`
+                    unstage(si)
+                    si = -1
+                outs[st.key] = (si, out)
+                hdr_ops.append((st.peer, torch.tensor(head, dtype=torch.int64,
+                                                      device=tr.device), True))
+            else:
+                heads[st.key] = torch.empty(HEADER, dtype=torch.int64, device=tr.device)
+                hdr_ops.append((st.peer, heads[st.key], False))
+        t0 = now()
+        net_wait(net.post_group(hdr_ops), "delta: headers")
+        delta.clock["headers"] += now() - t0
+        for st in batch:
+            if st.kind != SEND:
+                delta.take_header(st, heads[st.key].tolist())
+        while len(pending) >= max_in_flight:
+            wait_one()
+        ops, entries = [], []
+        for st in batch:
+            if st.kind == SEND:
+                kind, size, dense, _ = delta.send(st)
+                si, out = outs[st.key]
+                if kind == DELTA_SAME:
+                    continue
+                if kind != DELTA_DENSE:
+                    ops.append((st.peer, out[:size], True))
+                elif st.per_item:               # as a dense refit sends it: items in place
+                    part = st.send
+                    msgs = [m if m is not None else
+                            dense[part.offsets[k]:part.offsets[k] + part.item_bytes[k]]
+                            for k, m in enumerate(part.messages(True))]
+                    ops += post_per_item(st, True, msgs)[0]
+                else:
+                    ops.append((st.peer, dense, True))
+                left[st.key] = 1
+                entries.append((st, si, None))
+                continue
+            kind, size, _ = delta.header(st)
+            if kind == DELTA_SAME:
+                entries.append((st, -1, lambda st=st: delta.apply(st, None), "unsent"))
+                continue
+            left[st.key] = 1
+            if kind != DELTA_DENSE:
+                si, buf = stage(size)
+                ops.append((st.peer, buf, False))
+                entries.append((st, si, lambda st=st, buf=buf: delta.apply(st, buf)))
+            elif st.per_item:
+                got, si, after = post_per_item(st, False)
+                ops += got
+                entries.append((st, si, after))
+            else:
+                si, buf = stage(st.nbytes)
+                ops.append((st.peer, buf, False))
+                entries.append((st, si, lambda part=st.recv, buf=buf: part.unpack(buf)))
+        handle = net.post_group(ops) if ops else None
+        for st, si, after, *unsent in entries:
+            pending.append((_UNSENT if unsent else handle, st, st.kind != SEND, si, after))
 
     def ring_step(st):
         t0 = now()
@@ -242,27 +339,11 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
             # One message per item, posted as one group (both ends group the same step's
             # messages); items that cannot travel in place go through one staging buffer, at
             # their offsets in the bucket.
-            part = s.send if sending else s.recv
-            msgs = part.messages(sending)
-            staged = [k for k, m in enumerate(msgs) if m is None]
-            si, buf = stage(s.nbytes) if staged else (-1, None)
-            after = None
-            if buf is not None:
-                slots = {k: buf[part.offsets[k]:part.offsets[k] + part.item_bytes[k]]
-                         for k in staged}
-                if sending:
-                    t0 = now()
-                    for k in staged:
-                        part.pack_item(k, slots[k])
-                    clock["pack"] += now() - t0
-                else:
-                    after = lambda part=part, slots=slots: [part.unpack_item(k, b)
-                                                            for k, b in slots.items()]
-                msgs = [m if m is not None else slots[k] for k, m in enumerate(msgs)]
+            ops, si, after = post_per_item(s, sending)
             while len(pending) >= max_in_flight:
                 wait_one()
             left[s.key] = 1
-            handle = net.post_group([(s.peer, m, sending) for m in msgs])
+            handle = net.post_group(ops)
             pending.append((handle, s, not sending, si, after))
             batch = (s,)
             i += 1
@@ -274,31 +355,30 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
                         (steps[j].key[0], steps[j].key[2] // span) == g:
                     j += 1
             batch = steps[i:j]
-            while len(pending) >= max_in_flight:
-                wait_one()
-            ops, entries = [], []
-            for st in batch:
-                st_sending = st.kind == SEND
-                if delta is not None and st.path == NETWORK:
-                    _post_delta(st, delta, ops, entries, left, stage)
-                    continue
-                left[st.key] = 1
-                si, buf = stage(st.nbytes)
-                part = st.send if st_sending else st.recv
-                if st_sending:
-                    t0 = now()
-                    part.pack(buf)
-                    clock["pack"] += now() - t0
-                    entries.append((st, si, None))
-                else:
-                    entries.append((st, si, lambda buf=buf, part=part: part.unpack(buf)))
-                ops.append((st.peer, buf, st_sending))
-            handle = None
-            if ops:
+            if delta is not None and s.path == NETWORK:
+                delta_group(batch)
+                i = j
+            else:
+                while len(pending) >= max_in_flight:
+                    wait_one()
+                ops, entries = [], []
+                for st in batch:
+                    st_sending = st.kind == SEND
+                    left[st.key] = 1
+                    si, buf = stage(st.nbytes)
+                    part = st.send if st_sending else st.recv
+                    if st_sending:
+                        t0 = now()
+                        part.pack(buf)
+                        clock["pack"] += now() - t0
+                        entries.append((st, si, None))
+                    else:
+                        entries.append((st, si, lambda buf=buf, part=part: part.unpack(buf)))
+                    ops.append((st.peer, buf, st_sending))
                 handle = net.post(*ops[0]) if len(ops) == 1 else net.post_group(ops)
-            for st, si, after, *unsent in entries:
-                pending.append((_UNSENT if unsent else handle, st, st.kind != SEND, si, after))
-            i = j
+                for st, si, after in entries:
+                    pending.append((handle, st, st.kind != SEND, si, after))
+                i = j
         for st in batch:
             nbytes = st.nbytes if delta is None or st.path != NETWORK else delta.wire_bytes(st)
             if st.kind == SEND:
@@ -325,26 +405,6 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
 
 
 _UNSENT = object()          # the handle of a delta bucket that did not travel
-
-
-def _post_delta(st, delta, ops: list, entries: list, left: dict, stage) -> None:
-    """Queue a network bucket of a delta refit: its payload, or, when it did not change, an
-    entry that moves nothing (it completes in its turn, after the receives before it)."""
-    if st.kind == SEND:
-        msg = delta.message(st)
-        if msg is not None:
-            left[st.key] = 1
-            ops.append((st.peer, msg, True))
-            entries.append((st, -1, None))
-        return
-    nbytes = delta.size(st)
-    if nbytes == 0:
-        entries.append((st, -1, lambda: delta.apply(st, None), "unsent"))
-        return
-    left[st.key] = 1
-    si, buf = stage(nbytes)
-    ops.append((st.peer, buf, False))
-    entries.append((st, si, lambda: delta.apply(st, buf)))
 
 
 def _on_ring(s, rings) -> bool:

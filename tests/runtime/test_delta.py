@@ -209,6 +209,9 @@ def test_fallbacks_on_every_version_mismatch(actors):
 
 
 def test_destination_changed_outside_refits_is_caught(actors):
+    """A destination written outside refits fails the delta refit that finds it (RefitError
+    naming the receiver); no member was lost, so the group stays usable without update(): the
+    next refit of any kind works, delta ones dense where a receiver's bytes are unknown."""
     src, d1, _ = actors
     specs, fulls = simple_specs(2)
     load_sources(src, specs, fulls)
@@ -220,15 +223,40 @@ def test_destination_changed_outside_refits_is_caught(actors):
         # an engine rewrote a weight behind our back (in every destination: a replica written
         # by a forward from another is repaired, the one receiving from the network notices)
         ray.get([a.__ray_call__.remote(poke, "w1") for a in d1])
-        with pytest.raises(RefitError, match=r"changed outside refits"):
+        with pytest.raises(RefitError, match=r"changed outside refits") as e:
             step(g, src, specs, fulls, gen, fraction=0.0)
-        g.update()
-        res = step(g, src, specs, fulls, gen)
-        assert res.delta["fallbacks"]
+        assert "stays usable" in str(e.value)
+        assert e.value.failed_ranks and all(side == "dst" for side, _ in e.value.failed_ranks)
+        assert set(g.stale_destinations()) == {0, 1, 2, 3}      # not atomic: all unknown
+        res = step(g, src, specs, fulls, gen)                    # no update() in between
+        assert res.delta["fallbacks"] and res.delta["mismatches"] == []
+        assert not res.warnings                                  # nothing was re-formed
         expected(d1, specs, fulls)
+        assert g.stale_destinations() == {}
         res = step(g, src, specs, fulls, gen)
         assert res.delta["fallbacks"] == []
         expected(d1, specs, fulls)
+        # atomic: only the receiver that changed is unknown, the others keep their weights;
+        # a dense refit, then refit_async delta refits, work at once
+        step(g, src, specs, fulls, gen, atomic=True)
+        ray.get(d1[0].__ray_call__.remote(poke, "w0"))
+        held = ray.get([a.get.remote() for a in d1[1:]])
+        with pytest.raises(RefitError, match=r"changed outside refits") as e:
+            step(g, src, specs, fulls, gen, atomic=True)
+        assert ("dst", 0) in e.value.failed_ranks and 0 in g.stale_destinations()
+        for a, before in zip(d1[1:], held):
+            after = ray.get(a.get.remote())
+            assert all(torch.equal(bits(before[k]), bits(after[k])) for k in before)
+        perturb(fulls, 0.05, gen)
+        load_sources(src, specs, fulls)
+        g.refit(specs)
+        expected(d1, specs, fulls)
+        first = g.refit_async(specs, delta=True).wait()         # after a dense refit: dense
+        res = g.refit_async(specs, delta=True).wait()
+        assert first.delta["fallbacks"] and res.delta["fallbacks"] == []
+        assert res.delta["network_bytes"] == 0
+        expected(d1, specs, fulls)
+        assert g.versions() == [g.version] * len(g.versions())
 
 
 def test_host_baselines_and_refit_async(actors):
