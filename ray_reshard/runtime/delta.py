@@ -97,9 +97,14 @@ class DeltaRun:
     it (`apply`, a receiver)."""
 
     def __init__(self, baselines: Baselines, version: int, held: Optional[int],
-                 device: torch.device, pid: int):
+                 device: torch.device, pid: int, only: Optional[frozenset] = None,
+                 held_keys: Optional[list] = None):
+        """`only`: indices of the tensors sent as deltas (None: all); a bucket holding any
+        other travels dense and keeps no baseline. `held_keys`: the program's held shards
+        ((side, rank, tensor) per held index), to find a bucket's tensors."""
         self.baselines, self.version, self.held, self.device = baselines, version, held, device
         self.pid = pid
+        self.only, self.held_keys = only, held_keys
         self.codec = codec.codec_for(device)
         self.ok: dict = {}            # receiving process -> whether it holds the baseline's
         self.sends: dict = {}         # step key -> (kind, size, dense bytes or None)
@@ -145,13 +150,25 @@ class DeltaRun:
         t0 = time.perf_counter()
         b, part, n = self.baselines, s.send, s.nbytes
         g = granule_of(part)
+        self.dense_bytes += n
+        self.granules += n // g
+        if self.only is not None and not self.only.issuperset(
+                self.held_keys[h][2] for h in part.held):
+            b.buffers.pop(s.key, None)              # dense by request: no baseline kept
+            if s.per_item:                          # items in place, as a dense refit does
+                self.sends[s.key] = (codec.DENSE, n, None, False)
+            else:
+                part.pack(out)
+                self.sends[s.key] = (codec.DENSE, n, out[:n], True)
+            self._count(codec.DENSE, n, 0)
+            self.clock["encode"] += time.perf_counter() - t0
+            return [codec.DENSE, n, 0]
         base = b.buffers.get(s.key)
         fresh = base is None or base.numel() != n
         if fresh:
             base = b.buffers[s.key] = (torch.empty(n, dtype=torch.uint8, device=self.device)
-                                       if b.place == "device" else _host(n, self.device.type == "cuda"))
-        self.dense_bytes += n
-        self.granules += n // g
+                                       if b.place == "device" else
+                                       _host(n, self.device.type == "cuda"))
         if fresh or not (self.ok[s.peer] and s.delta_ok):
             self._refresh(part, base, out)
             enc = codec.Encoded(codec.DENSE, n, n // g)
@@ -208,8 +225,9 @@ class DeltaRun:
         self.changed += changed
 
     def send(self, s) -> tuple:
-        """(kind, payload bytes, the new bytes of a DENSE one or None, whether what travels
-        lies in the `out` buffer `encode` was given) of an encoded send."""
+        """(kind, payload bytes, the new bytes of a DENSE one (None: send the part's items
+        as a dense refit does), whether what travels lies in the `out` buffer `encode` was
+        given) of an encoded send."""
         return self.sends[s.key]
 
     # ------------------------------------------------------------------ a receiver
@@ -276,3 +294,35 @@ def summarize(per: list) -> Optional[dict]:
     out["mismatches"] = [f for d in parts for f in d.get("mismatches", ())]
     out["baseline_bytes"] = max(d["baseline_bytes"] for d in parts)
     return out
+
+
+def request(delta, specs) -> tuple[bool, Optional[tuple]]:
+    """A refit's `delta` argument checked against its spec set, before anything moves:
+    (whether it is a delta refit, the names sent as deltas or None for all). `delta` is a
+    bool, or a collection of spec names: only buckets all of whose tensors are among them
+    travel as deltas, the others dense (an empty collection: a dense refit)."""
+    if isinstance(delta, bool):
+        return delta, None
+    if isinstance(delta, (str, bytes)) or not hasattr(delta, "__iter__"):
+        raise TypeError(f"delta must be True, False or a collection of spec names, got "
+                        f"{delta!r}")
+    names = tuple(sorted(set(delta)))
+    unknown = [n for n in names if n not in specs]
+    if unknown:
+        raise ValueError(f"delta names {unknown[:5]} are not in this refit's specs")
+    return bool(names), names
+
+
+def run_for(program, place_and_names, version: int, held: Optional[int],
+            device: torch.device, pid: int) -> DeltaRun:
+    """A process's `DeltaRun` for an installed program (`program.baselines`, kept across
+    refits; `program.plan`, `program.compiled`): `place_and_names` is where baselines live,
+    or (where, the names sent as deltas) as `request` gives them."""
+    place, names = (place_and_names if isinstance(place_and_names, tuple)
+                    else (place_and_names, None))
+    if program.baselines is None or program.baselines.place != place:
+        program.baselines = Baselines(place)
+    only = None if names is None else frozenset(
+        i for i, n in enumerate(program.plan.names) if n in set(names))
+    return DeltaRun(program.baselines, version, held, device, pid, only,
+                    program.compiled.held)

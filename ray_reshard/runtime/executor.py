@@ -256,10 +256,12 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
                     ops.append((st.peer, out[:size], True))
                 elif st.per_item:               # as a dense refit sends it: items in place
                     part = st.send
-                    msgs = [m if m is not None else
-                            dense[part.offsets[k]:part.offsets[k] + part.item_bytes[k]]
-                            for k, m in enumerate(part.messages(True))]
-                    ops += post_per_item(st, True, msgs)[0]
+                    msgs = None if dense is None else [
+                        m if m is not None else
+                        dense[part.offsets[k]:part.offsets[k] + part.item_bytes[k]]
+                        for k, m in enumerate(part.messages(True))]
+                    got, si, _ = post_per_item(st, True, msgs)
+                    ops += got
                 else:
                     ops.append((st.peer, dense, True))
                 left[st.key] = 1

@@ -466,3 +466,38 @@ def test_partial_refits_keep_their_own_baselines(actors):
         assert res.delta["fallbacks"]
         expected(d1, part, fulls)
         expected(d1, {"w1": specs["w1"]}, whole)      # the names left out stay as they were
+
+
+def test_deltas_for_some_names_only(actors):
+    """`delta=names` (an engine's parameters read in place): buckets of those tensors travel
+    as deltas, any other bucket dense, keeping no baseline; destinations equal a dense group's.
+    Names not in the specs, or a string, are refused before anything moves."""
+    src, d1, d2 = actors
+    specs, _ = simple_specs(3)
+    specs = {k: rr.TensorSpec((256, 96), s.dtype, s.src, s.dst, src_dtype=s.source_dtype)
+             for k, s in specs.items()}          # items larger than a bucket: one tensor each
+    fulls = {k: torch.randn(s.shape, generator=torch.Generator().manual_seed(1))
+             for k, s in specs.items()}
+    load_sources(src, specs, fulls)
+    blank_destinations(d1, specs)
+    blank_destinations(d2, specs)
+    gen = torch.Generator().manual_seed(9)
+    with rr.ReshardGroup(src, d1, bucket_bytes=4096) as g, rr.ReshardGroup(src, d2) as dense:
+        for delta in (["w0"], ["w0"], True, True):
+            perturb(fulls, 0.02, gen)
+            load_sources(src, specs, fulls)
+            res = g.refit(specs, delta=delta)
+            dense.refit(specs)
+            same_bytes(d1, d2, specs)
+            if delta == ["w0"] and res.delta["fallbacks"] == []:
+                enc = res.delta["encodings"]
+                assert enc["dense"] > 0 and enc["mask"] + enc["index"] > 0
+                only_w0 = res.delta["baseline_bytes"]
+        assert res.delta["fallbacks"] == [] and res.delta["encodings"]["dense"] == 0
+        assert only_w0 < res.delta["baseline_bytes"]
+        with pytest.raises(ValueError, match="not in this refit"):
+            g.refit(specs, delta=["w0", "nope"])
+        with pytest.raises(TypeError, match="collection of spec names"):
+            g.refit(specs, delta="w0")
+        assert g.refit(specs, delta=[]).delta is None          # nothing named: dense
+        expected(d1, specs, fulls)
