@@ -20,7 +20,7 @@ from ..planning.planner import Endpoint
 from ..layout.spec import TensorSpec
 from ..errors import GroupStateLost, RefitError, TransportError
 from . import membership, metrics, worker
-from .delta import BASELINE_PLACES, summarize as delta_summary
+from .delta import BASELINE_PLACES, request as delta_request, summarize as delta_summary
 from .membership import Members, actor_key
 from .transport import torch_pg
 from .transport.devices import choose_backend
@@ -395,7 +395,9 @@ class ReshardGroup:
         where a receiver may not hold it (the first delta refit, after a failed or refused refit,
         update(), a dense refit of any spec set in between): `result.delta["fallbacks"]` names
         those. Destinations end bit-identical to a dense refit; one whose shards changed outside
-        refits is caught (checksum) and the refit fails.
+        refits is caught (checksum) and the refit fails, naming it (the group stays usable).
+        `delta` may instead name the specs sent as deltas (e.g. the parameters an engine reads
+        in place): buckets holding any other tensor travel dense and keep no baseline.
         """
         with self._lock:
             return self._refit(specs, atomic, snapshot, timeout_s, delta)
@@ -463,8 +465,7 @@ class ReshardGroup:
         recovered = self._recover(timeout_s or self.timeout_s) if self._broken else None
         check_spec_set(specs)
         _check_timeout(timeout_s)
-        if not isinstance(delta, bool):
-            raise TypeError(f"delta must be True or False, got {delta!r}")
+        delta, delta_names = delta_request(delta, specs)
         if delta and self.strategy != "reshard":
             raise ValueError(f"delta refits need the reshard strategy (this group uses "
                              f"{self.strategy!r}, which sends whole tensors)")
@@ -496,7 +497,8 @@ class ReshardGroup:
         # One call per process: it checks its tensors, votes with the others through the
         # group's store (nobody moves a byte unless everyone's tensors are right), and runs.
         ballot = f"refit{next(self._ballots)}"
-        place = self.delta_baseline if delta else None
+        place = (self.delta_baseline if delta_names is None else
+                 (self.delta_baseline, delta_names)) if delta else None
         refs = [a.__ray_call__.remote(worker.run, self.group_id, key, left, version, atomic,
                                       snapshot, ballot, self._version, place)
                 for a in self._procs]

@@ -519,11 +519,9 @@ def run(actor, group_id: str, key, timeout_s: float, version: int, atomic: bool 
     return stats
 
 
-def _delta_run(wg: _WorkerGroup, prog: _Program, place: str, version: int):
-    from .delta import Baselines, DeltaRun
-    if prog.baselines is None or prog.baselines.place != place:
-        prog.baselines = Baselines(place)
-    return DeltaRun(prog.baselines, version, wg.held, wg.device, wg.pid)
+def _delta_run(wg: _WorkerGroup, prog: _Program, place, version: int):
+    from .delta import run_for
+    return run_for(prog, place, version, wg.held, wg.device, wg.pid)
 
 
 def _settle_version(wg: _WorkerGroup, committed: Optional[int]) -> None:
