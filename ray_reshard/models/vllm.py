@@ -25,8 +25,8 @@ the last) unless ``layers_per_stage`` is given; names keep the global layer inde
 Storage names follow vLLM's model classes: qkv_proj = [q; k; v] per TP rank (kv heads
 replicated when tp > kv heads), gate_up_proj, fused_qkv_a_proj for MLA with q_lora_rank,
 vocabulary padded to ``vocab_padding`` rows and cut in VocabParallelEmbedding's blocks, routed
-experts ``mlp.experts.routed_experts.w13_weight`` / ``w2_weight`` (vLLM >= 0.33's MoE runner;
-``version`` below 0.33 gives FusedMoE's ``mlp.experts.w13_weight``), and
+experts ``mlp.experts.routed_experts.w13_weight`` / ``w2_weight`` (what vLLM 0.32 and 0.33
+serve; ``version`` below 0.32 gives FusedMoE's older ``mlp.experts.w13_weight``), and
 ``mlp.gate.e_score_correction_bias`` only for ``topk_method == "noaux_tc"``.
 
 ``quantization="fp8"`` describes an engine serving DeepSeek-style block FP8 (vLLM's
@@ -163,7 +163,7 @@ class VLLM:
 
     @property
     def routed_experts_naming(self) -> bool:
-        return parse_version(self.version) >= (0, 33)
+        return parse_version(self.version) >= (0, 32)
 
     def local_experts(self, n_experts: int, ep_rank: int) -> list[int]:
         """Global expert ids on `ep_rank` in local order (vLLM's determine_expert_map)."""

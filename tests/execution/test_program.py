@@ -93,6 +93,30 @@ def test_adjacent_contiguous_items_merge_into_one_copy():
     assert torch.equal(dst_flat, src_flat)
 
 
+def test_items_of_one_storage_with_a_gap_between_them_are_copied_apart():
+    """Two tensors of one flat buffer with a third, not in the refit, between them: two copy
+    runs per side, and the bytes between them are neither read nor written."""
+    from ray_reshard.layout.spec import Slot
+    lay = Layout(Mesh([0], ("tp",)), (Replicate(),))
+    specs = {n: TensorSpec((4, 4), torch.float32, lay, lay, src_slots={0: Slot("flat", index=(i,))},
+                           dst_slots={0: Slot("flat", index=(i,))})
+             for n, i in (("a", 0), ("c", 2))}
+    p = plan(specs, n_src=1, n_dst=1)
+    src_flat = torch.randn(3, 4, 4)
+    dst_flat = torch.full((3, 4, 4), -1.0)
+    sprog = compile_program(p, [Endpoint("src", 0)], 1 << 20)
+    dprog = compile_program(p, [Endpoint("dst", 0)], 1 << 20)
+    sprog.bind({k: shard_view(p, *k, {"flat": src_flat}) for k in sprog.held})
+    dprog.bind({k: shard_view(p, *k, {"flat": dst_flat}) for k in dprog.held})
+    (s,), (r,) = sprog.steps, dprog.steps
+    assert s.send.n_runs == 2 and r.recv.n_runs == 2
+    buf = torch.empty(s.nbytes, dtype=torch.uint8)
+    s.send.pack(buf)
+    r.recv.unpack(buf)
+    assert torch.equal(dst_flat[0], src_flat[0]) and torch.equal(dst_flat[2], src_flat[2])
+    assert bool((dst_flat[1] == -1.0).all())
+
+
 def test_bind_with_the_same_token_checks_nothing_and_a_new_token_rebinds():
     """A caller that knows the views are the very objects bound last (same token) skips the
     check; any other token (or none) checks every view as usual."""

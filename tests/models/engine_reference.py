@@ -183,7 +183,7 @@ def _vllm_layer(cfg, sd, par, d, t, P, out):
         gu, dn = sd[m + "experts.gate_up_proj"], sd[m + "experts.down_proj"]
         E = gu.shape[0]
         gate, up = gu.chunk(2, dim=1)
-        X = m + ("experts.routed_experts." if vllm_version(par) >= (0, 33) else "experts.")
+        X = m + ("experts.routed_experts." if vllm_version(par) >= (0, 32) else "experts.")
         # FusedMoEParallelConfig.make: tp flattened across the engine's dp ranks
         flat_size, flat_rank = par.engine_dp * tp, (d % par.engine_dp) * tp + t
         if par.ep > 1:

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from ray_reshard.layout import Layout, Mesh, Replicate, Shard, TensorSpec, shard_tensor
 from ray_reshard.planning import plan
 from ray_reshard.planning.plan import build_share
-from ray_reshard.planning.planner import NETWORK, Endpoint
+from ray_reshard.planning.planner import DOMAIN, LOCAL, NETWORK, Endpoint
 from ray_reshard.execution.reference import simulate_refit
 
 EXAMPLES = int(os.environ.get("RR_PROP_EXAMPLES", "120"))
@@ -158,6 +158,24 @@ def check_schedule(p, bucket):
         assert build_share(p, eps, bucket) == want, eps
 
 
+def check_paths(p):
+    """Every move's path is where its ends are: a local copy between ranks on one device, a
+    domain move inside one domain across devices, a network move between domains."""
+    topo = p.topology
+    for tp in p.tensor_plans:
+        for m in tp.moves:
+            side = m.src.side
+            sdev = (topo.src_devices if side == "src" else topo.dst_devices)[m.src.rank]
+            sdom = (topo.src_domains if side == "src" else topo.dst_domains)[m.src.rank]
+            ddev, ddom = topo.dst_devices[m.dst], topo.dst_domains[m.dst]
+            if m.path == LOCAL:
+                assert sdev == ddev, m
+            elif m.path == DOMAIN:
+                assert sdom == ddom and sdev != ddev, m
+            else:
+                assert sdom != ddom, m
+
+
 def check_stats(p):
     s = p.stats
     assert s.network_bytes == s.min_network_bytes, (s, p.specs)
@@ -205,6 +223,7 @@ def run_and_compare(pr, seed=0):
 def test_simulated_refit_is_bit_exact_and_reaches_the_bound(pr):
     p = run_and_compare(pr)
     check_stats(p)
+    check_paths(p)
     check_schedule(p, pr["bucket"])
 
 

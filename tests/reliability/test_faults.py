@@ -31,6 +31,7 @@ TIMEOUT = 4.0           # refit deadline in these tests
 GRACE = 5.0             # what ReshardGroup waits past it before declaring a rank hung
 MARGIN = 6.0            # scheduling noise on a loaded 2-core machine
 FAILURES = []           # (what, seconds to RefitError): printed at the end of the module
+SLOWER_S = 9.0          # a lookup this slow outlasts a 1 s deadline and its grace
 
 
 def new_actors(n, node):
@@ -115,6 +116,8 @@ def lookup(actor):
                 time.sleep(30)
             if kind == "slow":
                 time.sleep(2.0)
+            if kind == "slower":
+                time.sleep(SLOWER_S)
     return actor.tensors
 
 
@@ -322,3 +325,23 @@ def test_node_helper_killed(rig):
     rig.refit_ok()
     assert time.monotonic() - t0 < 3 * MARGIN
     assert all(ray.get([h.ping.remote() for h in rig.group.resources()["helpers"].values()], timeout=30))
+
+
+def test_a_refits_own_timeout_wins_over_the_groups(rig):
+    """refit(timeout_s=...) bounds that refit whatever the group's timeout_s: shorter (a hung
+    rank is named within it) or longer (a slow rank finishes)."""
+    src, dst = new_actors(2, 0), new_actors(2, 1)
+    specs, fulls = specs_for(), fulls_for(100)
+    fill(src, dst, specs, fulls, dst_seed=100)
+    with rr.ReshardGroup(src, dst, tensors=lookup, timeout_s=60) as g:
+        arm(dst[1], "hang")
+        t0 = time.monotonic()
+        with pytest.raises(rr.RefitError, match=r"dst rank 1"):
+            g.refit(specs, timeout_s=2)
+        assert time.monotonic() - t0 < 2 + GRACE + MARGIN
+    dst = [dst[0], new_actors(1, 1)[0]]
+    fill(src, dst, specs, fulls, dst_seed=101)
+    with rr.ReshardGroup(src, dst, tensors=lookup, timeout_s=1) as g:
+        arm(dst[1], "slower")
+        g.refit(specs, timeout_s=60)
+        check_exact(dst, specs, fulls)

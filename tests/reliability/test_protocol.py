@@ -164,24 +164,26 @@ def test_source_dying_before_commit_still_completes_the_refit(cluster):
 
 
 def test_destination_dying_in_commit_rolls_the_others_back(cluster):
-    """Atomic refits commit in a second call (non-atomic ones have none)."""
-    atomic = True
+    """Atomic refits commit in a second call (non-atomic ones have none). The survivor holds
+    several tensors, one larger than a commit swaps at once (16 MiB): all get their old bytes
+    back, and its version goes back."""
     src, dst = actors(2, 0), actors(2, 1, max_restarts=0)
-    specs = {"w": spec()}
-    with rr.ReshardGroup(src, dst, timeout_s=10) as g:
+    specs = {"w": spec(), "big": spec((4608, 2048)), "b": spec((8,), ROWS_L, L([0, 1], rr.Replicate()))}
+    with rr.ReshardGroup(src, dst, timeout_s=30) as g:
         old = load(src, dst, specs, 0)
         g.refit(specs)
         load(src, [], specs, 1)                       # sources move on; destinations keep v1
         ray.get(dst[1].__ray_call__.remote(_die_at("commit")))
         with pytest.raises(rr.RefitError, match=r"in commit on dst rank 1: process \d died"
                                                r".*rolled back to v1") as info:
-            g.refit(specs, atomic=atomic)
+            g.refit(specs, atomic=True)
         assert info.value.failed_ranks == (("dst", 1),)
         assert g.version == 1
         assert ray.get(dst[0].__ray_call__.remote(worker.version, g.group_id)) == 1
-        got = ray.get(dst[0].get.remote())["w"]
-        if atomic:                                    # the old weights are back
-            assert torch.equal(got, rr.shard_tensor(old["w"], specs["w"].dst, 0))
+        got = ray.get(dst[0].get.remote())
+        assert got["big"].numel() * 4 > 16 << 20
+        for n, s in specs.items():                    # the old weights are back, every one
+            assert torch.equal(got[n], rr.shard_tensor(old[n], s.dst, 0)), n
 
 
 def test_restarted_actor_is_named_and_update_recovers(cluster):
