@@ -76,8 +76,11 @@ LARGE_PLAN_TENSORS = 2000
 
 
 def parser() -> Parser:
+    from . import __version__
+
     ap = Parser(prog="ray-reshard", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--version", action="version", version=f"ray-reshard {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=Parser, metavar="command",
                             title="commands")
     p = sub.add_parser("plan", help="traffic report of a model's refit between two layouts",
@@ -141,7 +144,7 @@ def plan_command(args, ap) -> int:
         t["delta"] = delta_prediction(plan, args.bucket_mb << 20, args.changed_fraction)
     t3 = time.perf_counter()
     t.update(model=refit.title, train=describe(refit.train), infer=describe(refit.infer),
-             gpus_per_node=refit.gpus_per_node, dtype=args.dtype,
+             gpus_per_domain=refit.gpus_per_domain, dtype=args.dtype,
              seconds={"specs": t1 - t0, "plan": t2 - t1, "report": t3 - t2})
     pictures = {}
     if args.png:
@@ -164,7 +167,7 @@ def plan_command(args, ap) -> int:
         print(json.dumps(t, indent=1))
         return 0
     print(render(t, f"{refit.title}: {refit.train} -> {refit.infer}, {args.dtype}, "
-                    f"{refit.gpus_per_node} ranks per NVLink domain"))
+                    f"{refit.gpus_per_domain} ranks per NVLink domain"))
     if "delta" in t:
         print(render_delta(t["delta"]))
     print(f"specs {t['seconds']['specs']:.2f} s, plan {t['seconds']['plan']:.2f} s, "

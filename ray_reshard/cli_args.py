@@ -61,8 +61,10 @@ MODELS = {
     "deepseek-v3": ("DeepSeek-V3", DEEPSEEK_V3),
     "small-moe": ("small Qwen3-MoE", SMALL_MOE),
 }
-ENGINES = {"megatron": "train", "vllm": "infer"}
-DTYPES = ("bfloat16", "float16", "float32")
+# --dtype spellings -> the inference dtype; "fp8" is block FP8 as vLLM serves it (linear
+# projections and routed experts in float8_e4m3fn with 128 x 128 scales, the rest bfloat16)
+DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+          "fp32": "float32", "float32": "float32", "fp8": "fp8"}
 
 
 class Parser(argparse.ArgumentParser):
@@ -112,6 +114,8 @@ def model_arg(text: str) -> tuple[str, dict]:
         return MODELS[text]
     path = os.path.join(text, "config.json") if os.path.isdir(text) else text
     if not os.path.isfile(path):
+        if os.sep in text or text.endswith(".json") or os.path.isdir(text):
+            raise argparse.ArgumentTypeError(f"no such file: {path}")
         raise argparse.ArgumentTypeError(
             f"{text!r} is neither a known model ({', '.join(MODELS)}) nor a config.json file")
     try:
@@ -153,21 +157,27 @@ def _int_field(engine: str, key: str, value: str) -> int:
 _BOOLS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
 
 
-def layout_arg(text: str, engine: Optional[str] = None):
-    """``megatron:tp=..,pp=..`` or ``vllm:tp=..,dp=..`` -> a Megatron or VLLM layout."""
-    from .models import VLLM, Megatron
+def dtype_arg(text: str) -> str:
+    """A --dtype spelling (bf16 / bfloat16, fp16 / float16, fp32 / float32, fp8) -> its name."""
+    name = DTYPES.get(text.lower())
+    if name is None:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(DTYPES)}, got {text!r}")
+    return name
 
-    classes = {"megatron": Megatron, "vllm": VLLM}
+
+def layout_arg(text: str, role: Optional[str] = None):
+    """``engine:key=value,...`` -> that registered engine's layout (of `role`, when given)."""
+    from .models import engines
+
+    known = {e.name: e for e in engines(role)}
     name, _, body = text.partition(":")
     name = name.strip().lower()
-    if name not in classes or (engine is not None and name != engine):
-        allowed = [engine] if engine else list(classes)
+    if name not in known:
         raise argparse.ArgumentTypeError(
-            f"layout {text!r} must start with {' or '.join(a + ':' for a in allowed)} "
-            f"followed by key=value pairs, e.g. "
-            f"{'megatron:tp=4,pp=8,ep=16' if (engine or name) != 'vllm' else 'vllm:tp=8,dp=16'}")
-    cls = classes[name]
-    fields = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+            f"layout {text!r} must start with {' or '.join(n + ':' for n in known)} followed "
+            f"by key=value pairs, e.g. {' or '.join(e.example for e in known.values())}")
+    eng = known[name]
+    fields = {f.name: str(f.type) for f in dataclasses.fields(eng.layout)}
     kw: dict[str, Any] = {}
     for part in filter(None, (p.strip() for p in body.split(","))):
         key, eq, value = part.partition("=")
@@ -187,18 +197,16 @@ def layout_arg(text: str, engine: Optional[str] = None):
             kw[key] = _int_field(name, key, value)
         else:
             kw[key] = value
-    if cls is Megatron and "dp" not in kw:
-        per_stage = kw.get("tp", 1) * kw.get("cp", 1)
-        expert = kw.get("ep", 1) * kw.get("etp", kw.get("tp", 1))
-        kw["dp"] = expert // math.gcd(per_stage, expert)
+    if eng.complete is not None:
+        kw = eng.complete(kw)
     try:
-        return cls(**kw)
-    except ValueError as e:
+        return eng.layout(**kw)
+    except (ValueError, TypeError) as e:
         raise argparse.ArgumentTypeError(f"{name}: {e}") from None
 
 
 def train_arg(text: str):
-    return layout_arg(text, "megatron")
+    return layout_arg(text, "train")
 
 
 @dataclass(frozen=True)
@@ -217,11 +225,25 @@ class EngineGroups:
 
 
 def infer_arg(text: str):
-    """One vLLM layout, or several joined by `+` (destination groups in one refit)."""
+    """One inference layout, or several joined by `+` (destination groups in one refit)."""
     parts = [p for p in text.split("+")]
     if len(parts) == 1:
-        return layout_arg(text, "vllm")
-    return EngineGroups(tuple(layout_arg(p, "vllm") for p in parts))
+        return layout_arg(text, "infer")
+    return EngineGroups(tuple(layout_arg(p, "infer") for p in parts))
+
+
+def quantized(infer, dtype_name: str):
+    """`infer` as it serves `dtype_name` (fp8: block FP8 on every group), and the dtype of the
+    tensors it keeps unquantised."""
+    import torch
+
+    if dtype_name != "fp8":
+        return infer, getattr(torch, dtype_name)
+    if isinstance(infer, EngineGroups):
+        return EngineGroups(tuple(quantized(g, "fp8")[0] for g in infer.groups)), torch.bfloat16
+    if "quantization" not in {f.name for f in dataclasses.fields(infer)}:
+        raise ValueError(f"--dtype fp8: {infer} has no block-FP8 form")
+    return dataclasses.replace(infer, quantization="fp8"), torch.bfloat16
 
 
 def recipe_specs(config: dict, train, infer, dtype, hf_experts: str = "auto") -> dict:
@@ -245,15 +267,17 @@ def add_refit_args(p: argparse.ArgumentParser) -> None:
                    help=f"a known model ({', '.join(MODELS)}) or a path to a HF config.json "
                         f"(or its directory)")
     p.add_argument("--train", type=train_arg, required=True,
-                   help="training layout, megatron:tp=..,pp=..,ep=..,etp=..,dp=.., "
-                        "e.g. megatron:pp=16,ep=16")
+                   help="training layout, megatron:tp=..,pp=..,ep=..,etp=..,dp=.. (e.g. "
+                        "megatron:pp=16,ep=16) or fsdp:shard=..,replicate=..")
     p.add_argument("--infer", type=infer_arg, required=True,
                    help="inference layout, vllm:tp=..,dp=..,pp=..,ep=.., e.g. vllm:tp=32,dp=8, "
                         "or several groups fed in one refit joined by +")
-    p.add_argument("--gpus-per-node", type=positive_int,
-                   default=8, help="ranks per NVLink domain on each side (default 8)")
-    p.add_argument("--dtype", choices=DTYPES, default="bfloat16",
-                   help="inference dtype (default bfloat16)")
+    p.add_argument("--gpus-per-domain", "--gpus-per-node", dest="gpus_per_domain",
+                   type=positive_int, default=8,
+                   help="ranks per NVLink domain on each side (default 8)")
+    p.add_argument("--dtype", type=dtype_arg, default="bfloat16",
+                   help="inference dtype: bf16, fp16, fp32 or fp8 (block FP8, 128 x 128 "
+                        "scales; default bf16)")
     p.add_argument("--hf-experts", choices=("split", "fused"), default="split",
                    help="HF naming of experts: split (checkpoints) or fused (transformers >= 5)")
 
@@ -266,7 +290,7 @@ class Refit:
     config: dict
     train: Any
     infer: Any
-    gpus_per_node: int
+    gpus_per_domain: int
     specs: dict
     src_domains: list
     dst_domains: list
@@ -288,13 +312,13 @@ def build_refit(args: argparse.Namespace, parser: Optional[argparse.ArgumentPars
                 ) -> Refit:
     """Specs and domains from parsed `add_refit_args` arguments. A model/layout mismatch (e.g.
     ep not dividing the experts) goes to `parser.error` (one line, status 2) when given."""
-    import torch
-
     title, config = args.model
     train = even_out_stages(args.train, config.get("num_hidden_layers", 0))
+    if getattr(train, "hf_experts", None) == "auto":     # a trainer on HF names: --hf-experts
+        train = dataclasses.replace(train, hf_experts=args.hf_experts)
     try:
-        specs = recipe_specs(config, train, args.infer, getattr(torch, args.dtype),
-                             args.hf_experts)
+        infer, dtype = quantized(args.infer, args.dtype)
+        specs = recipe_specs(config, train, infer, dtype, args.hf_experts)
     except ValueError as e:
         if parser is None:
             raise
@@ -302,9 +326,9 @@ def build_refit(args: argparse.Namespace, parser: Optional[argparse.ArgumentPars
         which = ("--train" if text.startswith("Megatron") else
                  "--infer" if text.startswith("vLLM") else "--model/--train/--infer")
         parser.error(f"argument {which}: {text} (model {title})")
-    n = args.gpus_per_node
-    return Refit(title, config, train, args.infer, n, specs,
-                 domains("train", train.world, n), domains("infer", args.infer.world, n))
+    n = args.gpus_per_domain
+    return Refit(title, config, train, infer, n, specs,
+                 domains("train", train.world, n), domains("infer", infer.world, n))
 
 
 def even_out_stages(train, layers: int):

@@ -43,13 +43,15 @@ from .fsdp import FSDP, fsdp_local_tensors
 from .megatron import Megatron
 from .vllm import VLLM
 from .pieces import Piece, enumerate_pieces, resolve_hf_experts
+from .registry import Engine, engine, engines, register_engine
 from .recipe import (Recipe, assemble_state_dict, empty_storage, hf_parameter_shapes,
                      local_state, logical_to_hf, padding_mask, refit_specs, storage_shapes,
                      tied_aliases)
 
 __all__ = [
-    "FAMILIES", "FSDP", "Megatron", "ModelDims", "Piece", "Recipe", "VLLM",
+    "Engine", "FAMILIES", "FSDP", "Megatron", "ModelDims", "Piece", "Recipe", "VLLM",
     "assemble_state_dict", "config_differences", "empty_storage", "enumerate_pieces", "fsdp_local_tensors",
     "hf_parameter_shapes", "local_state", "logical_to_hf", "model_dims", "padding_mask",
-    "refit_specs", "resolve_hf_experts", "storage_shapes", "tied_aliases",
+    "engine", "engines", "refit_specs", "register_engine", "resolve_hf_experts",
+    "storage_shapes", "tied_aliases",
 ]

@@ -35,6 +35,7 @@ from ..layout.placement import Replicate, Shard
 from ..layout.spec import Slot
 from .config import ModelDims
 from .pieces import Piece, enumerate_pieces, is_mtp, resolve_hf_experts
+from .registry import Engine, register_engine
 from .storage import EngineSide, StorageDecl, check_pos
 
 # Pieces that are buffers in transformers' modules: FSDP2 leaves them whole on every rank.
@@ -209,3 +210,6 @@ def fsdp_local_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
         t = b.to_local() if hasattr(b, "to_local") else b
         out.setdefault(_hf_name(name), t.detach())
     return out
+
+
+register_engine(Engine("fsdp", FSDP, "train", "fsdp:shard=8,replicate=2"))

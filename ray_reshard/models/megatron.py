@@ -31,6 +31,7 @@ that stage then keeps its own copy of the word embeddings, as Megatron does.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -40,6 +41,7 @@ from ..layout.placement import Replicate, Shard
 from ..layout.spec import Slot
 from .config import ModelDims
 from .pieces import Piece, is_mtp
+from .registry import Engine, register_engine
 from .storage import EngineSide, StorageDecl, Stores, check_counts, check_pos, div
 
 
@@ -421,3 +423,15 @@ class MegatronSide(EngineSide):
             store, index = self.store_name((fc, i), pc.layer), ()
         slot = Slot(store, index) if k == "e_down" else Slot(store, index, dim=0, offset=off)
         return self._same(lay, slot)
+
+
+def _fill_dp(fields: dict) -> dict:
+    """An omitted dp: the smallest that fits ep * etp into each stage."""
+    if "dp" in fields:
+        return fields
+    per_stage = fields.get("tp", 1) * fields.get("cp", 1)
+    expert = fields.get("ep", 1) * fields.get("etp", fields.get("tp", 1))
+    return {**fields, "dp": expert // math.gcd(per_stage, expert)}
+
+
+register_engine(Engine("megatron", Megatron, "train", "megatron:tp=4,pp=8,ep=16", _fill_dp))

@@ -57,6 +57,7 @@ from ..layout.quant import BlockFP8
 from ..layout.spec import Slot
 from .config import ModelDims
 from .pieces import Piece, is_mtp
+from .registry import Engine, register_engine
 from .storage import EngineSide, StorageDecl, Stores, check_counts, check_pos, div
 
 PLACEMENTS = ("linear", "round_robin")
@@ -550,3 +551,6 @@ class VLLMSide(EngineSide):
             lay = self._expert_layouts[("shard", stage, tdim)] = \
                 self._shard(self.expert_grid(stage), tdim)
         return self._same(lay, slot)
+
+
+register_engine(Engine("vllm", VLLM, "infer", "vllm:tp=8,dp=16"))

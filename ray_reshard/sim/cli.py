@@ -17,8 +17,8 @@ import sys
 import time
 from typing import Optional
 
-from ..cli_args import (MODELS, describe, even_out_stages, fraction_arg, infer_arg, model_arg, say,
-                        train_arg)
+from ..cli_args import (DTYPES, MODELS, describe, dtype_arg, even_out_stages, fraction_arg,
+                        infer_arg, model_arg, quantized, say, train_arg)
 from ..planning.plan import DEFAULT_BUCKET_BYTES
 from .bound import check_plan, layout_bound
 from .cluster import GB, NOT_MODELLED, PRESETS, constants, preset, uncertain
@@ -39,10 +39,6 @@ class _Parser(argparse.ArgumentParser):
         raise _Exit(message)
 
 
-DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
-          "fp32": "float32", "float32": "float32", "fp8": "float8_e4m3fn"}
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="ray-reshard simulate", description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, type=model_arg,
@@ -52,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--infer", required=True, type=infer_arg,
                     help="inference layout, e.g. vllm:tp=32,dp=8")
     ap.add_argument("--cluster", default="dgx-h100", help=f"preset: {', '.join(PRESETS)}")
-    ap.add_argument("--dtype", default="bf16", help="dtype that moves (bf16, fp16, fp32, fp8)")
+    ap.add_argument("--dtype", type=dtype_arg, default="bfloat16",
+                    help=f"inference dtype: {', '.join(DTYPES)} (fp8: block FP8, 128 x 128 "
+                         f"scales; default bf16)")
     ap.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / (1 << 20),
                     help=f"bucket size (default {DEFAULT_BUCKET_BYTES >> 20}, the library's)")
     ap.add_argument("--mode", default="auto", choices=("auto", "exact", "aggregate"),
@@ -65,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="runs: as the executor does, each run of ring (domain) steps takes "
                          "whichever bucket is ready first; in_order: strictly in the "
                          "schedule's order; as_ready: what-if, taken whenever they arrive")
-    ap.add_argument("--gpus-per-domain", type=int)
+    ap.add_argument("--gpus-per-domain", "--gpus-per-node", dest="gpus_per_domain", type=int,
+                    help="ranks per NVLink domain (default: the cluster's)")
     ap.add_argument("--nvlink-gbps", type=float, help="NVLink GB/s per GPU per direction")
     ap.add_argument("--nic-gbit", type=float, help="NIC Gb/s per GPU per direction")
     ap.add_argument("--latency-us", type=float, help="per-message latency")
@@ -108,8 +107,6 @@ def _on(flag: Optional[str]) -> Optional[bool]:
 def run(args, variants: Optional[dict] = None) -> dict:
     """Simulate as the parsed `args` say. `variants` {name: Cluster field changes}: also the
     reshard prediction on the same plan with the cluster changed so, in `out["variants"]`."""
-    import torch
-
     from ..planning.plan import plan as make_plan
     from ..cli_args import recipe_specs
 
@@ -130,9 +127,6 @@ def run(args, variants: Optional[dict] = None) -> dict:
         raise ValueError(f"--window must be in 1..16, got {args.window}")
     if args.bucket_mb <= 0:
         raise ValueError(f"--bucket-mb must be positive, got {args.bucket_mb}")
-    if args.dtype.lower() not in DTYPES:
-        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
-    dtype = getattr(torch, DTYPES[args.dtype.lower()])
     bucket = int(args.bucket_mb * (1 << 20))
     timeline = None
     if args.timeline:
@@ -142,7 +136,7 @@ def run(args, variants: Optional[dict] = None) -> dict:
         timeline = (side, int(r))
     title, config = args.model
     train = even_out_stages(args.train, config.get("num_hidden_layers", 0))
-    infer = args.infer
+    infer, dtype = quantized(args.infer, args.dtype)
     if timeline and timeline[1] >= (train.world if timeline[0] == "src" else infer.world):
         raise ValueError(f"--timeline: {args.timeline} is beyond that side's ranks")
     given = tuple(n for n, v in (
