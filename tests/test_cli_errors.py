@@ -114,3 +114,33 @@ def test_a_real_process_prints_one_line():
     assert p.returncode == 2 and p.stdout == ""
     assert p.stderr.strip() == ("ray-reshard plan: error: the following arguments are "
                                 "required: --train, --infer (see --help)")
+
+
+def test_plan_and_simulate_take_the_same_options(capsys):
+    """--gpus-per-domain (and its alias), the dtype spellings, fp8 and FSDP trainers: the same
+    in both commands."""
+    import json
+
+    from ray_reshard import __version__
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"ray-reshard {__version__}"
+    out = {}
+    for cmd in ("plan", "simulate"):
+        for dom in ("--gpus-per-domain", "--gpus-per-node"):
+            for dtype in ("bf16", "bfloat16", "fp8"):
+                args = [cmd, "--model", "small-moe", "--train", "fsdp:shard=2",
+                        "--infer", "vllm:tp=1", dom, "2", "--dtype", dtype, "--json"]
+                if cmd == "simulate":
+                    args += ["--cluster", "local", "--sensitivity", "off"]
+                assert main(args) == 0
+                out[cmd, dom, dtype] = json.loads(capsys.readouterr().out)
+    for cmd in ("plan", "simulate"):
+        # an fp8 engine receives one byte per quantised element (plus scales): fewer bytes
+        bf16 = out[cmd, "--gpus-per-domain", "bf16"]
+        fp8 = out[cmd, "--gpus-per-node", "fp8"]
+        key = "network_bytes" if cmd == "simulate" else "lower_bound_bytes"
+        assert fp8[key] < bf16[key] == out[cmd, "--gpus-per-node", "bfloat16"][key]
+    err = one_line_error(["plan", *SMALL[:-2], "--dtype", "fp64"], capsys)
+    assert "--dtype" in err and "bf16, bfloat16" in err
