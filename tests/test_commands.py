@@ -250,6 +250,8 @@ def test_readme_first_example(tmp_path):
     out = run(str(script), RAY_ADDRESS="local").stdout
     v, = figure(r"refit v(\d+) \[reshard\]", out)
     assert v == 1
+    assert "no network bytes (one domain)" in out and "0.00 GB/s" not in out
+    assert "every destination holds its rows of the full tensor" in out
     assert "gather-broadcast would move" in out
 
 

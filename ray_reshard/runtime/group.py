@@ -55,10 +55,16 @@ class RefitResult:
 
     def summary(self) -> str:
         b = self.bytes_by_path
+        if b["network"]:
+            rate = f"network {self.network_gbps:.2f} GB/s"
+        else:                   # one domain: what moved went over shared memory or copies
+            moved = sum(b.values())
+            rate = (f"no network bytes (one domain), "
+                    f"{moved / self.seconds / 1e9 if self.seconds > 0 else 0.0:.2f} GB/s moved")
         return (f"refit v{self.version} [{self.strategy}] {self.seconds:.3f} s: "
                 f"network {b['network'] / 1e6:.1f} MB (bound {self.plan_stats.min_network_bytes / 1e6:.1f} MB), "
                 f"domain {b['domain'] / 1e6:.1f} MB, local {b['local'] / 1e6:.1f} MB, "
-                f"{self.network_gbps:.2f} GB/s, peak staging {self.peak_staging_bytes / 1e6:.1f} MB/rank")
+                f"{rate}, peak staging {self.peak_staging_bytes / 1e6:.1f} MB/rank")
 
     def to_dict(self) -> dict:
         """Flat figures for experiment trackers (see `metrics.refit_dict`)."""
