@@ -191,7 +191,6 @@ class Links:
             _run(["ip", "-n", sw, "link", "set", bridge_if, "mtu", str(self.spec.mtu),
                   "master", BRIDGE, "up"])
             _run(["ip", "-n", sw, "link", "set", relay_if, "mtu", str(self.spec.mtu), "up"])
-        _run(["ip", "-n", sw, "link", "set", n.port, "nomaster"])
         log = open(os.path.join(self.spec.tmp, f"relay{node}.log"), "wb")
         # run as a script: the relay needs the standard library only (no torch, no Ray)
         proc = subprocess.Popen(
@@ -201,17 +200,25 @@ class Links:
         with open(self._relay_pidfile(node), "w") as f:
             json.dump({"pid": proc.pid, "delay_ms": delay_ms, "jitter_ms": jitter_ms,
                        "loss": loss}, f)
-        # the relay is ready once it holds both sockets (it says so in its log)
-        t_end = time.monotonic() + 10
+        # Once the relay holds both sockets, the link leaves the bridge and the relay starts
+        # carrying: what arrives meanwhile waits in its sockets, so no frame is lost.
         path = os.path.join(self.spec.tmp, f"relay{node}.log")
+        self._await_log(proc, path, "holding", node)
+        _run(["ip", "-n", sw, "link", "set", n.port, "nomaster"])
+        os.kill(proc.pid, signal.SIGUSR1)
+        self._await_log(proc, path, "relaying", node)
+
+    @staticmethod
+    def _await_log(proc, path: str, word: str, node: int, within_s: float = 20.0) -> None:
+        t_end = time.monotonic() + within_s
         while time.monotonic() < t_end:
             if proc.poll() is not None:
-                raise RuntimeError(f"the link relay of node {node} exited: "
-                                   f"{_tail(path)}")
-            if "relaying" in _tail(path):
+                raise RuntimeError(f"the link relay of node {node} exited: {_tail(path)}")
+            if word in _tail(path):
                 return
-            time.sleep(0.02)
-        raise RuntimeError(f"the link relay of node {node} did not start within 10 s")
+            time.sleep(0.01)
+        raise RuntimeError(f"the link relay of node {node} did not say {word!r} within "
+                           f"{within_s:.0f} s")
 
     def _relay_pidfile(self, node: int) -> str:
         return os.path.join(self.spec.tmp, f"relay{node}.json")
@@ -308,6 +315,15 @@ def links() -> Links:
     return Links(Spec.from_json(text))
 
 
+def node_indices() -> dict:
+    """{Ray node id: its index in the box} for the box this driver runs in (Ray connected)."""
+    import ray
+
+    by_ip = {n.ip: n.index for n in links().spec.nodes}
+    return {n["NodeID"]: by_ip[n["NodeManagerAddress"]] for n in ray.nodes()
+            if n.get("Alive") and n["NodeManagerAddress"] in by_ip}
+
+
 def rate_bytes_per_s(rate: str) -> float:
     """A tc rate ("1gbit", "2gbit", "800mbit", "1.5gbit") in bytes per second."""
     text = rate.strip().lower()
@@ -324,19 +340,21 @@ def rate_bytes_per_s(rate: str) -> float:
 class NetnsCluster:
     """N Ray nodes (2-4), each in its own network namespace, behind links of `rate` each way.
 
-    `cpus_per_node` is each node's Ray CPU count, `store_bytes` its object store. `start()`
-    (or `with`) builds the network, starts Ray on every node and waits until all joined;
-    `close()` (also at interpreter exit) ends everything the box made.
+    `mtu` is every link's (9000: jumbo frames, as datacenter links run; a TCP stream then
+    carries 0.99 of the rate, at 1500 about 0.956, since the shaper counts each segment's
+    headers). `cpus_per_node` is each node's Ray CPU count, `store_bytes` its object store.
+    `start()` (or `with`) builds the network and, unless `with_ray` is False, starts Ray on
+    every node; `close()` (also at interpreter exit) ends everything the box made.
     """
 
     def __init__(self, nodes: int = 2, rate: str = "1gbit", *, mtu: int = 9000,
-                 cpus_per_node: int = 1,
-                 store_bytes: int = 512 << 20, start_timeout_s: float = 120.0):
+                 cpus_per_node: int = 1, store_bytes: int = 512 << 20,
+                 start_timeout_s: float = 120.0, with_ray: bool = True):
         if not 2 <= nodes <= 4:
             raise ValueError(f"nodes must be 2 to 4, got {nodes}")
         rate_bytes_per_s(rate)
         self.nodes, self.cpus_per_node, self.store_bytes = nodes, cpus_per_node, store_bytes
-        self.start_timeout_s = start_timeout_s
+        self.start_timeout_s, self.with_ray = start_timeout_s, with_ray
         if not 1280 <= mtu <= 65000:
             raise ValueError(f"mtu must be 1280 to 65000, got {mtu}")
         self.spec = _spec(secrets.token_hex(2), nodes, rate, mtu)
@@ -368,7 +386,8 @@ class NetnsCluster:
         self._started = True
         try:
             self._network()
-            self._ray()
+            if self.with_ray:
+                self._ray()
         except BaseException:
             self.close()
             raise
@@ -415,49 +434,73 @@ class NetnsCluster:
         return env
 
     def _ray(self) -> None:
-        s = self.spec
-        procs = []
-        for n in s.nodes:
-            args = ["ip", "netns", "exec", n.netns, sys.executable, "-c",
-                    "from ray.scripts.scripts import main; main()", "start",
-                    "--node-ip-address", n.ip, "--num-cpus", str(self.cpus_per_node),
-                    "--resources", json.dumps({f"node{n.index}": 100}),
-                    "--object-store-memory", str(self.store_bytes),
-                    "--temp-dir", os.path.join(s.tmp, f"n{n.index}"),
-                    "--disable-usage-stats"]
-            args += (["--head", "--port", str(HEAD_PORT), "--include-dashboard=false"]
-                     if n.index == 0
-                     else ["--address", s.address])
-            log = open(os.path.join(s.tmp, f"ray-start-n{n.index}.log"), "wb")
-            procs.append((n, subprocess.Popen(args, stdout=log, stderr=log,
-                                              env=self.node_env(n.index),
-                                              start_new_session=True), log))
-        # the others start beside the head and join it once it answers
-        self._wait_start(procs)
+        """`ray start` on every node: the head, then the others together (each tried up to 3
+        times: on a loaded machine a raylet may miss Ray's 30 s start-up wait)."""
+        self._start_nodes(self.spec.nodes[:1])
+        self._start_nodes(self.spec.nodes[1:])
 
-    def _wait_start(self, procs) -> None:
+    def _start_nodes(self, nodes, attempts: int = 3) -> None:
+        s = self.spec
         t_end = time.monotonic() + self.start_timeout_s
-        for n, p, log in procs:
-            try:
-                p.wait(max(t_end - time.monotonic(), 1.0))
-            except subprocess.TimeoutExpired:
-                raise RuntimeError(f"`ray start` on node {n.index} did not finish in "
-                                   f"{self.start_timeout_s:.0f} s") from None
-            finally:
-                log.close()
-            if p.returncode:
-                raise RuntimeError(f"`ray start` on node {n.index} failed: " + _tail(
-                    os.path.join(self.spec.tmp, f"ray-start-n{n.index}.log")))
+        procs = {n.index: self._ray_start(n) for n in nodes}
+        tries = {n.index: 1 for n in nodes}
+        while procs:
+            for i, p in list(procs.items()):
+                try:
+                    p.wait(max(min(t_end - time.monotonic(), 0.2), 0.01))
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() > t_end:
+                        raise RuntimeError(f"`ray start` on node {i} did not finish in "
+                                           f"{self.start_timeout_s:.0f} s") from None
+                    continue
+                del procs[i]
+                if p.returncode == 0:
+                    continue
+                log = _tail(os.path.join(s.tmp, f"ray-start-n{i}.log"))
+                if tries[i] >= attempts:
+                    raise RuntimeError(f"`ray start` on node {i} failed: {log}")
+                for pid in _netns_pids(s.nodes[i].netns):   # what the failed start left
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                tries[i] += 1
+                procs[i] = self._ray_start(s.nodes[i])
+
+    def _ray_start(self, n: Node) -> subprocess.Popen:
+        s = self.spec
+        args = ["ip", "netns", "exec", n.netns, sys.executable, "-c",
+                "from ray.scripts.scripts import main; main()", "start",
+                "--node-ip-address", n.ip, "--num-cpus", str(self.cpus_per_node),
+                "--resources", json.dumps({f"node{n.index}": 100}),
+                "--object-store-memory", str(self.store_bytes),
+                "--temp-dir", os.path.join(s.tmp, f"n{n.index}"), "--disable-usage-stats"]
+        args += (["--head", "--port", str(HEAD_PORT), "--include-dashboard=false"]
+                 if n.index == 0 else ["--address", s.address])
+        with open(os.path.join(s.tmp, f"ray-start-n{n.index}.log"), "wb") as log:
+            return subprocess.Popen(args, stdout=log, stderr=log, env=self.node_env(n.index),
+                                    start_new_session=True)
+
+    def popen(self, node: int, argv: list, **kwargs) -> subprocess.Popen:
+        """Start `argv` inside node `node`'s namespace (with the node's environment)."""
+        if not self._started:
+            raise RuntimeError("start() the box first")
+        kwargs.setdefault("env", self.node_env(node))
+        return subprocess.Popen(["ip", "netns", "exec", self.spec.nodes[node].netns, *argv],
+                                **kwargs)
 
     def driver(self, echo: bool = False) -> "Driver":
         """A Python process on the head node's namespace, connected to the box's Ray cluster
         (every node joined), calling functions by name (see `Driver`). `echo`: its output goes
         to this process's stdout and stderr (else to a log file in the box's directory)."""
-        if not self._started:
-            raise RuntimeError("start() the box first")
+        if not self._started or not self.with_ray:
+            raise RuntimeError("start() a box with Ray first")
         d = Driver(self, echo)
         self._drivers.append(d)
         return d
+
+    def pids(self) -> list:
+        """Every process running in the box's namespaces (Ray's, the driver, link relays)."""
+        return [p for ns in [self.spec.switch] + [n.netns for n in self.spec.nodes]
+                for p in _netns_pids(ns)]
 
     def close(self) -> None:
         """End every process in the box's namespaces, delete them and the box's files."""
@@ -613,8 +656,15 @@ class Driver:
             raise DriverError(f"the driver did not connect: {hello.get('error')}")
         self.nodes = hello["value"]
 
-    def call(self, target: str, *, timeout_s: float = 600.0, **kwargs) -> Any:
-        return self.start(target, **kwargs).result(timeout_s)
+    @property
+    def pid(self) -> int:
+        """The driver's process id."""
+        return self._proc.pid
+
+    def call(self, target: str, *, call_timeout_s: float = 600.0, **kwargs) -> Any:
+        """`target(**kwargs)` in the driver; its return value (DriverError if it raised,
+        TimeoutError after `call_timeout_s`)."""
+        return self.start(target, **kwargs).result(call_timeout_s)
 
     def start(self, target: str, **kwargs) -> "PendingCall":
         if self._busy:
@@ -739,12 +789,17 @@ def _relay(a: str, b: str, delay_s: float, jitter_s: float, loss: float, seed: i
     def sock(ifname):
         s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
         s.setsockopt(SOL_PACKET, PACKET_VNET_HDR, 1)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 20)
+        # root may exceed net.core.rmem_max: a delayed link holds a whole window in flight
+        s.setsockopt(socket.SOL_SOCKET, 33, 64 << 20)           # SO_RCVBUFFORCE
+        s.setsockopt(socket.SOL_SOCKET, 32, 64 << 20)           # SO_SNDBUFFORCE
         s.bind((ifname, 0))
         s.setblocking(False)
         return s
 
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     sa, sb = sock(a), sock(b)
+    print(f"holding {a} and {b}", flush=True)
+    signal.sigwait({signal.SIGUSR1})           # the link has left the bridge: carry it
     other = {sa: sb, sb: sa}
     last = {sa: 0.0, sb: 0.0}
     rng = random.Random(seed)
@@ -752,8 +807,14 @@ def _relay(a: str, b: str, delay_s: float, jitter_s: float, loss: float, seed: i
     seq = 0
     print(f"relaying {a} <-> {b}: delay {delay_s * 1e3:g} ms, jitter {jitter_s * 1e3:g} ms, "
           f"loss {loss:g}", flush=True)
+    carried = failed = lost = 0
+    report = time.monotonic() + 5.0
     while True:
-        wait = max(queue[0][0] - time.monotonic(), 0.0) if queue else 1.0
+        if time.monotonic() >= report:      # what it did, for whoever reads its log
+            print(f"carried {carried} frames, lost {lost} on purpose, {failed} failed to send, "
+                  f"{len(queue)} held", flush=True)
+            report = time.monotonic() + 5.0
+        wait = max(min(queue[0][0], report) - time.monotonic(), 0.0) if queue else 1.0
         ready, _, _ = select.select([sa, sb], [], [], wait)
         for s in ready:
             while True:
@@ -764,6 +825,7 @@ def _relay(a: str, b: str, delay_s: float, jitter_s: float, loss: float, seed: i
                 if addr[2] == OUTGOING:
                     continue
                 if loss and rng.random() < loss:
+                    lost += 1
                     continue
                 at = time.monotonic() + delay_s + (rng.uniform(-jitter_s, jitter_s)
                                                    if jitter_s else 0.0)
@@ -774,8 +836,13 @@ def _relay(a: str, b: str, delay_s: float, jitter_s: float, loss: float, seed: i
         now = time.monotonic()
         while queue and queue[0][0] <= now:
             _, _, s, data = heapq.heappop(queue)
-            with contextlib.suppress(OSError):
+            try:
                 s.send(data)
+                carried += 1
+            except OSError as e:
+                failed += 1
+                if failed <= 3:
+                    print(f"send of {len(data)} bytes failed: {e}", flush=True)
 
 
 def main(argv=None) -> int:
