@@ -66,7 +66,8 @@ _TRAINER_BASE_TAKES_RANK = "rank" in inspect.signature(
 
 __all__ = ["BACKEND", "FULL", "RayReshardInitInfo", "RayReshardTrainerEngine",
            "RayReshardTrainerInitInfo", "RayReshardUpdateInfo", "RayReshardWeightTransferEngine",
-           "format_report", "local_tensors", "plan_specs", "register", "route", "writable"]
+           "describe_model", "format_report", "local_tensors", "plan_specs", "register", "route",
+           "writable", "written_in_place"]
 
 
 def writable(t: torch.Tensor) -> torch.Tensor:
@@ -137,7 +138,8 @@ def format_report(rows: list[dict]) -> str:
     for r in rows:
         why = f"  ({r['why']})" if r["why"] else \
             f"  (tied to {r['tied']})" if r.get("tied") else ""
-        lines.append(f"{r['rank']:>4}  {r['route']:9}  {str(tuple(r['shape'])):18} "
+        route = r["route"] + (", delta" if r.get("delta") else "")
+        lines.append(f"{r['rank']:>4}  {route:9}  {str(tuple(r['shape'])):18} "
                      f"{r['dtype']:10} {r['name']}{why}")
     n_in = sum(r["route"] == "in place" for r in rows)
     lines.append(f"{n_in} in place, {len(rows) - n_in} through load_weights")
@@ -579,6 +581,13 @@ def plan_specs(config: Any, train, infer, described: list[dict], dtype=torch.bfl
     return specs, staging
 
 
+def written_in_place(spec) -> bool:
+    """Whether every destination of `spec` (a `plan_specs` spec) is a parameter written in
+    place, not a staging tensor for load_weights."""
+    slots = spec.dst_slots
+    return slots is None or not any(slot.storage.startswith(FULL) for _, slot in slots)
+
+
 def _check_configs(config: Any, engine_configs: Optional[list]) -> None:
     """The trainer's model config is the one every worker serves (shapes and meaning)."""
     problems = []
@@ -631,7 +640,9 @@ class RayReshardTrainerInitInfo(TrainerInitInfo):
     ``RayVLLMWeightSyncClient``); `src_actors`: the trainer actors in `train`'s rank order
     (default: gathered over torch.distributed's default group); `tensors`: this rank's storages
     (default: the WeightSource's ``iter_local()``, vLLM >= 0.33); `atomic`: stage the whole refit
-    before writing any destination (see ``ReshardGroup.refit``)."""
+    before writing any destination (see ``ReshardGroup.refit``); `delta`: send the parameters
+    written in place as the bytes that changed since the last round (delta refits, see
+    docs/delta.md), those going through load_weights whole."""
 
     backend: ClassVar[str] = BACKEND
     config: Any = None
@@ -645,6 +656,7 @@ class RayReshardTrainerInitInfo(TrainerInitInfo):
     key: str = "default"
     timeout_s: Optional[float] = None
     atomic: bool = False
+    delta: bool = False
     group_options: dict = field(default_factory=dict)
 
 
@@ -666,6 +678,7 @@ class RayReshardTrainerEngine(TrainerWeightTransferEngine[RayReshardTrainerInitI
         self.views: list = []
         self.engines: list = []
         self.fallback: dict = {}
+        self.delta_names: tuple = ()      # specs sent as deltas (written in place)
         self._decisions: list[dict] = []
 
     @classmethod
@@ -735,10 +748,13 @@ class RayReshardTrainerEngine(TrainerWeightTransferEngine[RayReshardTrainerInitI
                 rank += 1
         ray.get([v.where.remote() for v in self.views])
         self.fallback = {r: sorted(st) for r, st in enumerate(staging) if st}
+        if info.delta:
+            self.delta_names = tuple(sorted(n for n, spec in self.specs.items()
+                                            if written_in_place(spec)))
         self._decisions = [
             {"rank": r, "name": name, "shape": d["shape"], "dtype": d["dtype"],
-             "route": "in place" if d["why"] is None else "fallback", "why": d["why"],
-             "tied": d.get("tied")}
+             "route": ("in place" if d["why"] is None else "fallback"), "why": d["why"],
+             "tied": d.get("tied"), "delta": bool(info.delta) and d["why"] is None}
             for r, rep in enumerate(flat) for name, d in sorted(rep["describe"].items())]
         self.group = rr.ReshardGroup(self.src_actors, handles,
                                      tensors=functools.partial(local_tensors, key),
@@ -770,7 +786,8 @@ class RayReshardTrainerEngine(TrainerWeightTransferEngine[RayReshardTrainerInitI
             self.client.start_weight_update()
             started = True
             self.last = self.group.refit(self.specs, timeout_s=self.info.timeout_s,
-                                         atomic=self.info.atomic)
+                                         atomic=self.info.atomic,
+                                         delta=self.delta_names if self.info.delta else False)
             self.client.update_weights({"version": self.last.version, "key": key})
             started = False
             self.client.finish_weight_update()

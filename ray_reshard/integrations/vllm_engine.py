@@ -31,11 +31,14 @@ def engine_env(tp: int, cores: Optional[Sequence[int]] = None, kv_cache_gib: int
 
 def start_engine(model: str, *, tp: int = 1, dtype: str = "float32", max_model_len: int = 256,
                  seed: int = 0, backend: str = "ray_reshard", options: Optional[dict] = None,
-                 **llm_kwargs: Any):
-    """An `LLM` serving `model` (a local HF directory) in a Ray actor (num_cpus=0), its weight
-    transfer backend `backend`. Returns the actor handle once the engine is up."""
+                 llm_class: Optional[type] = None, **llm_kwargs: Any):
+    """An `LLM` (or `llm_class`, a subclass) serving `model` (a local HF directory) in a Ray
+    actor (num_cpus=0), its weight transfer backend `backend`. Returns the actor handle once
+    the engine is up."""
     from vllm import LLM
     from vllm.config import WeightTransferConfig
+
+    LLM = llm_class or LLM
 
     env = engine_env(tp)
     kwargs = dict(model=model, tensor_parallel_size=tp, dtype=dtype, max_model_len=max_model_len,

@@ -42,6 +42,20 @@ PROMPTS = [[1, 2, 3, 4], [7, 8, 9], [100, 200, 300, 400, 500]]
 MAX_TOKENS = 8
 
 
+def in_place_llm():
+    """An `LLM` whose CPU linear layers compute with their parameters themselves: vLLM's CPU
+    build then neither repacks fp32 linear weights for oneDNN nor releases them, so a refit
+    writes them in place (as on GPUs)."""
+    from vllm import LLM
+
+    class InPlaceLLM(LLM):
+        def __init__(self, *args, **kwargs):
+            import vllm._custom_ops as ops
+            ops._supports_onednn = False        # before the model loads
+            super().__init__(*args, **kwargs)
+    return InPlaceLLM
+
+
 def require_vllm():
     """vLLM's CPU build, or a skip outside CI (in CI its absence is a failure)."""
     try:
@@ -67,6 +81,17 @@ def checkpoint_state(path):
     """The state dict as the checkpoint on disk names it (what vLLM's loader reads)."""
     from safetensors.torch import load_file
     return load_file(os.path.join(path, "model.safetensors"))
+
+
+def sparsely_changed(sd, seed, fraction=0.1, scale=0.05):
+    """New full weights: about `fraction` of every tensor's elements moved by noise, the rest
+    bit-identical (an RL step's update, coarser)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for n, t in sd.items():
+        mask = torch.rand(t.shape, generator=g) < fraction
+        out[n] = torch.where(mask, t + scale * torch.randn(t.shape, generator=g, dtype=t.dtype), t)
+    return out
 
 
 def perturbed(sd, seed, scale=0.05):
@@ -136,7 +161,7 @@ class TrainerRank:
         self.rank, self.storages, self.engine = rank, storages, None
 
     def init(self, src_actors, engines, config, train, infer, dtype=torch.float32, key="default",
-             atomic=False):
+             atomic=False, delta=False):
         from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
 
         from ray_reshard.integrations.vllm import RayReshardTrainerEngine, RayReshardTrainerInitInfo
@@ -144,14 +169,15 @@ class TrainerRank:
         info = RayReshardTrainerInitInfo(
             rank=self.rank, config=config, train=train, infer=infer, engines=engines,
             src_actors=src_actors, tensors=tensors, dtype=dtype,
-            train_dtype=torch.float32, key=key, timeout_s=120, atomic=atomic)
+            train_dtype=torch.float32, key=key, timeout_s=120, atomic=atomic, delta=delta)
         self.engine = RayReshardTrainerEngine.trainer_init(
             info, client=RayVLLMWeightSyncClient(list(engines)))
         return self.engine.report() if self.engine.is_sender else None
 
     def send(self):
         self.engine.send_weights()
-        return None if self.engine.last is None else self.engine.last.to_dict()
+        last = self.engine.last
+        return None if last is None else {**last.to_dict(), "delta": last.delta}
 
     def load(self, storages):
         for n, t in storages.items():
