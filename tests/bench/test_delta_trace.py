@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from ray_reshard.bench.delta_trace import (GOAL_BYTES_AT_10, ModelConfig, Synthetic, TinyGPT,
-                                           Trainer, changed_share, config_for, digest, goals)
+                                           Trainer, changed_share, codec_table, config_for,
+                                           digest, goals, render_codec)
 from ray_reshard.bench.harness import MiB
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -68,12 +69,25 @@ def test_goals_from_medians():
     row = lambda f, db, ds: {"fraction": f, "delta_network_bytes": spread(db),
                              "dense_network_bytes": spread(100.0), "delta_s": spread(ds),
                              "dense_s": spread(1.0)}
-    met = [g["met"] for g in goals([row(0.1, 20.0, 0.4), row(1.0, 100.0, 1.02)])]
-    assert met == [True, True, True]
-    rows = goals([row(0.1, 30.0, 0.6)])
-    assert [g["met"] for g in rows] == [False, False, False]
-    assert rows[0]["measured"] == pytest.approx(0.3) and rows[2]["measured"] is None
+    met = [g["met"] for g in goals([row(0.0, 0.0, 0.5), row(0.1, 20.0, 0.9),
+                                    row(1.0, 100.0, 1.02)])]
+    assert met == [True, True, True, True, False]             # the trace not measured
+    rows = goals([row(0.1, 30.0, 1.2)])
+    assert [g["met"] for g in rows] == [False] * 5
+    assert rows[1]["measured"] == pytest.approx(0.3) and rows[0]["measured"] is None
+    assert "--synthetic with 0" in rows[0]["needs"]
+    trace = goals([row("trace", 5.0, 0.8)])
+    assert trace[-1]["met"] and trace[-1]["measured"] == pytest.approx(0.8)
     assert GOAL_BYTES_AT_10 == 0.25
+
+
+def test_codec_line_meets_its_goals_shape():
+    """The codec benchmark's figures (the goals are judged on the quiet-machine run): every
+    fraction decodes to the new bytes (checked inside), the encodings follow the density."""
+    rows = codec_table(nbytes=MiB, repeats=1)
+    assert [r["encoding"] for r in rows] == ["same", "index", "mask", "dense"]
+    assert all(r["encode_GBps"] > 0 for r in rows) and rows[-1]["decode_GBps"] is None
+    assert "goal: encode >= 4 GB/s" in render_codec(rows)
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +125,7 @@ def test_bench_delta_small(address, tmp_path):
     assert all(float(r[2]) < 0.1 * float(r[3]) for r in at(0.01))           # few bytes
     assert all(float(r[2]) == float(r[3]) and int(r[12]) > 0 for r in at(1.0))  # dense
     assert "goals (ratios of medians):" in out and "not measured" in out   # no 0.1 here
+    assert "quiet-machine wait before each timed refit" in out
     data = json.loads(path.read_text())
     for step in data["steps"]:
         d = step["delta"]
@@ -118,6 +133,7 @@ def test_bench_delta_small(address, tmp_path):
         assert d["dense_network_bytes"] == step["dense_network_bytes"]
         assert d["fallbacks"] == [] and step["verified"]
     assert data["codec"]["encode_GBps"] > 0 and data["codec"]["decode_GBps"] > 0
+    assert {step["first"] for step in data["steps"]} == {"delta", "dense"}      # rotated
 
 
 @pytest.mark.slow
