@@ -134,8 +134,8 @@ class Messages:
     slot: Optional[np.ndarray] = None   # the key's position in its round (groups, forwards)
     itemsize: Optional[np.ndarray] = None   # the smallest element size of a bucket's items
     # A delta refit's buckets (`sim.delta.delta_messages`): bytes each sender compares against
-    # its baseline and each receiver decodes; their copies are then final (every network
-    # bucket packed at both ends), and `nbytes` is the payload.
+    # its baseline and each receiver decodes or checksums; their copies are then final, and
+    # `nbytes` is the payload.
     encode_bytes: Optional[np.ndarray] = None
     decode_bytes: Optional[np.ndarray] = None
     per_item_min_bytes: Optional[int] = None
@@ -692,6 +692,9 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, base
     staged_r = (msgs.strided_recv + msgs.contig_recv).tolist()
     bs, sc, rc = base.tolist(), send_copy.tolist(), recv_copy.tolist()
     over_link = cluster.pack_over_link
+    # A delta refit (sim.delta): a receiver posts a group's payloads once its headers arrived
+    # (one latency after its senders posted), and then applies what earlier groups brought.
+    delta = msgs.encode_bytes is not None
     recv_seq = [-1] * len(rnd)
     arrived = [0.0] * world                       # ring buckets taken as ready: last unpacked
     rings_in_order = ring_recv == "in_order"
@@ -857,7 +860,7 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, base
             end = dict.fromkeys(parts, 0.0)
             for m in range(i, j):
                 s, r = snd[m], rcv[m]
-                t0 = max(start[s], start[r])
+                t0 = max(start[s] + (lat if delta else 0.0), start[r])
                 t1 = max(t0 + nbytes[m] / nic, start[s] + out_load[s] / nic,
                          start[r] + in_load[r] / nic)
                 end[s], end[r] = max(end[s], t1), max(end[r], t1)
@@ -873,6 +876,10 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, base
                 seq_next[p] += 1
             for m in range(i, j):
                 recv_seq[m] = seq_next[rcv[m]] - 1
+            if delta:
+                for p in parts:
+                    while len(inflight[p]) > 1 and any(e[3] for e in list(inflight[p])[:-1]):
+                        pop(p)
             i = j
             continue
         s, r = snd[i], rcv[i]
