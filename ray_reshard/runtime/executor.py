@@ -38,6 +38,15 @@ one target out of a segment of a round's rotations is merged into few buckets, s
 the network buckets that brought it in have completed; they sort into the next segment, spread
 over its rotations (`plan.forward_key`), so its network receives are in flight meanwhile.
 
+Delta refits (`delta.DeltaRun`). Each network group goes as: its sends encoded (the groups
+before it on the wire meanwhile), one header per bucket (encoding, payload bytes, checksum)
+posted as a group of its own, then the payloads as the group (a same bucket sends none, a dense
+one goes as a dense refit sends it). A process that only sends posts both at once; one that
+receives waits for the group's headers before posting its payload receives (it posts the next
+group's header receives ahead, where it only receives in that group), then applies what earlier
+groups brought while this one moves. Both ends cut the same header and payload groups in the
+same order, so NCCL's rules hold as for dense refits.
+
 Strategies (`reshard`, `gather_broadcast`) are objects in `strategies.py`; the reshard strategy
 runs its programs with `run_program` here.
 """
@@ -162,6 +171,10 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
     def wait_one():
         handle, s, is_recv, si, after = pending.popleft()
         t0 = now()
+        if s is None:           # a delta group's header sends
+            net_wait(handle, "delta: headers")
+            clock["wait"] += now() - t0
+            return
         if handle is _UNSENT:   # a delta bucket that did not change: nothing travelled
             if is_recv:         # complete in order (a forward waits on its last bucket)
                 after()         # checks that the destination still holds it
@@ -217,13 +230,17 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
             msgs = [m if m is not None else slots[k] for k, m in enumerate(msgs)]
         return [(st.peer, m, sending) for m in msgs], si, after
 
-    def delta_group(batch):
-        """A network group of a delta refit (see delta.py): the receives of earlier groups
-        applied first (while this group's senders encode), this group's sends encoded, one
-        header per bucket exchanged, then the payloads posted as one group."""
-        while any(e[2] for e in pending):
-            wait_one()
+    early: dict = {}            # delta: network receive key -> its header, received ahead
+    early_groups: dict = {}     # delta: first key of a group -> the handle of those receives
+
+    def delta_group(batch, nxt):
+        """A network group of a delta refit (see delta.py): this group's sends encoded (while
+        the groups before it move), one header per bucket exchanged, the payloads posted as one
+        group; then the next group's headers are received ahead (`nxt`: its steps, where this
+        process only receives in it) and the receives of earlier groups applied while this
+        one moves. A process that only sends never waits for headers."""
         heads, outs, hdr_ops = {}, {}, []
+        recvs = [st for st in batch if st.kind != SEND]
         for st in batch:
             if st.kind == SEND:
                 si, out = stage(st.nbytes)
@@ -234,15 +251,23 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
                 outs[st.key] = (si, out)
                 hdr_ops.append((st.peer, torch.tensor(head, dtype=torch.int64,
                                                       device=tr.device), True))
+            elif st.key in early:
+                heads[st.key] = early.pop(st.key)
             else:
                 heads[st.key] = torch.empty(HEADER, dtype=torch.int64, device=tr.device)
                 hdr_ops.append((st.peer, heads[st.key], False))
-        t0 = now()
-        net_wait(net.post_group(hdr_ops), "delta: headers")
-        delta.clock["headers"] += now() - t0
-        for st in batch:
-            if st.kind != SEND:
+        ahead = early_groups.pop(batch[0].key, None)
+        handle = net.post_group(hdr_ops) if hdr_ops else None
+        if recvs:
+            t0 = now()
+            for h in (ahead, handle):
+                if h is not None:
+                    net_wait(h, "delta: headers")
+            delta.clock["headers"] += now() - t0
+            for st in recvs:
                 delta.take_header(st, heads[st.key].tolist())
+        elif handle is not None:
+            pending.append((handle, None, False, -1, None))
         while len(pending) >= max_in_flight:
             wait_one()
         ops, entries = [], []
@@ -287,6 +312,15 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
         handle = net.post_group(ops) if ops else None
         for st, si, after, *unsent in entries:
             pending.append((_UNSENT if unsent else handle, st, st.kind != SEND, si, after))
+        if nxt and all(st.kind != SEND for st in nxt):
+            got = []
+            for st in nxt:
+                early[st.key] = torch.empty(HEADER, dtype=torch.int64, device=tr.device)
+                got.append((st.peer, early[st.key], False))
+            early_groups[nxt[0].key] = net.post_group(got)
+        mine = {st.key for st in batch}
+        while any(e[2] and e[1].key not in mine for e in pending):
+            wait_one()
 
     def ring_step(st):
         t0 = now()
@@ -304,6 +338,28 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
     span = group_span(window, prog.round_len)
     steps = prog.ordered(span)
     n_steps = len(steps)
+
+    def batch_end(i):
+        """The end of the group of network steps starting at `i` (its round and span)."""
+        j = i + 1
+        if span and steps[i].path == NETWORK:
+            g = (steps[i].key[0], steps[i].key[2] // span)
+            while j < n_steps and _packed_network(steps[j], delta) and \
+                    (steps[j].key[0], steps[j].key[2] // span) == g:
+                j += 1
+        return j
+
+    following: dict = {}        # delta: a network group's start -> the next group's steps
+    if delta is not None:
+        last, i = None, 0
+        while i < n_steps:
+            if _packed_network(steps[i], delta):
+                j = batch_end(i)
+                if last is not None:
+                    following[last] = steps[i:j]
+                last, i = i, j
+            else:
+                i += 1
     i = 0
     while i < n_steps:
         s = steps[i]
@@ -350,15 +406,10 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
             batch = (s,)
             i += 1
         else:
-            j = i + 1
-            if span and s.path == NETWORK:
-                g = (s.key[0], s.key[2] // span)
-                while j < n_steps and _packed_network(steps[j], delta) and \
-                        (steps[j].key[0], steps[j].key[2] // span) == g:
-                    j += 1
+            j = batch_end(i)
             batch = steps[i:j]
             if delta is not None and s.path == NETWORK:
-                delta_group(batch)
+                delta_group(batch, following.get(i))
                 i = j
             else:
                 while len(pending) >= max_in_flight:
