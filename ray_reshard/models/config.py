@@ -175,18 +175,36 @@ MEANING_KEYS = ("hidden_act", "num_experts_per_tok", "norm_topk_prob", "n_group"
                 "routed_scaling_factor", "scoring_func")
 
 
+def with_defaults(config: Mapping) -> dict:
+    """`config` with the defaults transformers gives its model type filled in (what an engine
+    that loaded it reports), or as it is where transformers is not installed."""
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        return dict(config)
+    try:
+        return {**AutoConfig.for_model(**dict(config)).to_dict(), **dict(config)}
+    except Exception:       # noqa: BLE001  (a config transformers refuses: compared as given)
+        return dict(config)
+
+
 def config_differences(config: Any, other: Any) -> list[str]:
-    """Every difference between two HF configs that changes a parameter's shape or meaning,
-    as "key: <config> vs <other>" lines (empty when a refit from one to the other is sound)."""
-    a, b = _as_dict(config), _as_dict(other)
+    """Every difference between two HF configs that changes a parameter's shape or meaning in
+    the main model (multi-token prediction layers left out), as "key: <config> vs <other>"
+    lines (empty when a refit from one to the other is sound). Keys one side leaves out take
+    transformers' defaults for the model type."""
+    a, b = with_defaults(_as_dict(config)), with_defaults(_as_dict(other))
     out = []
     if a.get("model_type") != b.get("model_type"):
         return [f"model_type: {a.get('model_type')!r} vs {b.get('model_type')!r}"]
     da, db = model_dims(a), model_dims(b)
+    ignored = {"mtp_layers"} | ({"head_dim"} if da.mla else set())  # MLA: qk/v dims instead
     seen = set()
     for f in da.__dataclass_fields__:
         va, vb = getattr(da, f), getattr(db, f)
-        if va == vb:
+        if f == "moe_layers":
+            va, vb = (frozenset(l for l in v if l < d.layers) for v, d in ((va, da), (vb, db)))
+        if va == vb or f in ignored:
             continue
         key = _DIMS_KEYS.get(f, f)
         if key in seen:
