@@ -19,10 +19,10 @@ sender's `checksum` of the new bytes (a SAME bucket too), so a destination chang
 refits is caught, not silently mixed. The checksum is the sum of the bucket's granules as
 unsigned integers, modulo 2**64 (as a signed int64).
 
-Two codecs keep this contract: `HostCodec` (one pass per end, see `delta_host`), on rows of host
-memory (a part's contiguous regions, no packing) or a packed bucket; and `TorchCodec`, a few
-torch ops over a packed bucket on any device (what GPUs run, and the reference the host one is
-tested against). A host bucket whose first eighth (or first `MOSTLY_AFTER_CHUNKS` chunks of
+Three codecs keep this contract: `HostCodec` (one pass per end, see `delta_host`), on rows of
+host memory (a part's contiguous regions, no packing) or a packed bucket; `delta_cuda.CudaCodec`,
+one kernel launch per bucket and pass on CUDA; and `TorchCodec`, a few torch ops over a packed
+bucket on any device (where neither kernel can run, and the reference both are tested against). A host bucket whose first eighth (or first `MOSTLY_AFTER_CHUNKS` chunks of
 `CHUNK` granules, if fewer) changed in more than `MOSTLY_CHANGED` of its granules travels DENSE
 without comparing the rest (`probe`). `encoded_bytes` is the size model the plan report and the
 simulator use.
@@ -303,10 +303,13 @@ def host_codec() -> Optional[HostCodec]:
 
 
 def codec_for(device: torch.device):
-    """The codec for buckets on `device`: the host kernel in host memory (torch ops where it
-    cannot be built), torch ops elsewhere."""
+    """The codec for buckets on `device`: the host kernel in host memory, the CUDA kernel
+    (`delta_cuda`) on CUDA devices, torch ops where they cannot run."""
     if device.type == "cpu":
         return host_codec() or _TORCH
+    if device.type == "cuda":
+        from . import delta_cuda
+        return delta_cuda.codec() or _TORCH
     return _TORCH
 
 

@@ -1,8 +1,8 @@
 """The delta codec: every encoding round-trips exactly, the smallest one is chosen, payload
-sizes are what `encoded_bytes` predicts; the host kernel (each instruction-set path it has) and
-the torch path give the same bytes, baselines and checksums, from packed buckets and from rows
-of separate regions; malformed payloads are refused before anything is written; and the GPU
-path gives the host's bytes."""
+sizes are what `encoded_bytes` predicts; the host kernel (each instruction-set path it has), the
+CUDA kernel's source run on the host and the torch path give the same bytes, baselines and
+checksums, from packed buckets and from rows of separate regions; malformed payloads are
+refused before anything is written; and the GPU paths give the host's bytes."""
 import random
 
 import numpy as np
@@ -217,3 +217,152 @@ def test_gpu_encoding_is_the_host_encoding():
             out = base.cuda()
             assert TORCH.apply(gpu.kind, gpu.payload, out, 2) == cpu.check
             assert torch.equal(out.cpu(), new)
+
+
+# The CUDA kernel's own source compiled for the host: every block in turn, its threads as real
+# threads meeting at __syncthreads (std::barrier), shared memory as statics, atomics as the
+# compiler's builtins. Blocks run one after another, so a block's look-back always finds its
+# predecessor's count complete (the GPU test runs them concurrently).
+CUDA_SHIM = r"""
+#include <atomic>
+#include <barrier>
+#include <cstdint>
+#include <thread>
+#include <vector>
+struct Dim { unsigned int x; };
+static thread_local Dim threadIdx;
+static Dim blockIdx, blockDim;
+static std::barrier<>* rr_barrier;
+#define __global__
+#define __device__
+#define __shared__ static
+#define __syncthreads() rr_barrier->arrive_and_wait()
+#define __threadfence() std::atomic_thread_fence(std::memory_order_seq_cst)
+static inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+    return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+static inline unsigned long long atomicExch(unsigned long long* p, unsigned long long v) {
+    return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }
+static inline int __popc(unsigned int x) { return __builtin_popcount(x); }
+static inline int __ffs(unsigned int x) { return __builtin_ffs(x); }
+%s
+template <typename F> static void grid(long long blocks, int threads, F f) {
+    std::barrier<> bar(threads);
+    rr_barrier = &bar;
+    blockDim.x = threads;
+    for (long long b = 0; b < blocks; b++) {
+        blockIdx.x = (unsigned int) b;
+        std::vector<std::thread> ts;
+        for (int t = 0; t < threads; t++) ts.emplace_back([&, t] { threadIdx.x = t; f(); });
+        for (auto& x : ts) x.join();
+    }
+}
+#define RR_HOST(G, T)                                                                       \
+static void enc_##G(long long blocks, int threads, void* a, void* b, void* out, long long n, \
+        long long vo, long long cap, void* idx, long long idx_cap, void* state) {           \
+    grid(blocks, threads, [&] { delta_encode_##G((const T*) a, (T*) b, (unsigned char*) out, \
+        n, vo, cap, (int*) idx, idx_cap, (u64*) state); }); }                              \
+static void app_##G(long long blocks, int threads, void* dst, void* payload, long long n,    \
+        long long vo, long long n_vals, void* state) {                                     \
+    grid(blocks, threads, [&] { delta_apply_##G((T*) dst, (const unsigned char*) payload,  \
+        n, vo, n_vals, (u64*) state); }); }
+RR_HOST(1, unsigned char)
+RR_HOST(2, unsigned short)
+RR_HOST(4, unsigned int)
+RR_HOST(8, unsigned long long)
+extern "C" void host_encode(int g, long long blocks, int threads, void* a, void* b, void* out,
+        long long n, long long vo, long long cap, void* idx, long long idx_cap, void* state) {
+    switch (g) {
+    case 1: enc_1(blocks, threads, a, b, out, n, vo, cap, idx, idx_cap, state); break;
+    case 2: enc_2(blocks, threads, a, b, out, n, vo, cap, idx, idx_cap, state); break;
+    case 4: enc_4(blocks, threads, a, b, out, n, vo, cap, idx, idx_cap, state); break;
+    case 8: enc_8(blocks, threads, a, b, out, n, vo, cap, idx, idx_cap, state); break;
+    } }
+extern "C" void host_apply(int g, long long blocks, int threads, void* dst, void* payload,
+        long long n, long long vo, long long n_vals, void* state) {
+    switch (g) {
+    case 1: app_1(blocks, threads, dst, payload, n, vo, n_vals, state); break;
+    case 2: app_2(blocks, threads, dst, payload, n, vo, n_vals, state); break;
+    case 4: app_4(blocks, threads, dst, payload, n, vo, n_vals, state); break;
+    case 8: app_8(blocks, threads, dst, payload, n, vo, n_vals, state); break;
+    } }
+"""
+
+
+@pytest.fixture(scope="module")
+def cuda_source_on_host(tmp_path_factory):
+    import ctypes
+    import shutil
+    import subprocess
+
+    from ray_reshard.execution import delta_cuda
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler (g++ or c++ on PATH) to build the kernel for the host")
+    d = tmp_path_factory.mktemp("delta_cuda")
+    (d / "k.cpp").write_text(CUDA_SHIM % delta_cuda.SOURCE)
+    subprocess.run([cxx, "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-o",
+                    str(d / "k.so"), str(d / "k.cpp")], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(d / "k.so"))
+    ll, vp = ctypes.c_longlong, ctypes.c_void_p
+    lib.host_encode.argtypes = [ctypes.c_int, ll, ctypes.c_int, vp, vp, vp, ll, ll, ll, vp, ll,
+                                vp]
+    lib.host_apply.argtypes = [ctypes.c_int, ll, ctypes.c_int, vp, vp, ll, ll, ll, vp]
+
+    def launch(name, blocks, threads, args):
+        kind, g = name.rsplit("_", 1)
+        (lib.host_encode if kind == "delta_encode" else lib.host_apply)(int(g), blocks, threads,
+                                                                        *args)
+    return launch
+
+
+@pytest.mark.parametrize("threads", [1, 4, 8])
+def test_cuda_kernel_source_on_the_host_equals_torch(cuda_source_on_host, threads):
+    """The CUDA codec (its kernels run on the host, several blocks of `threads`) gives
+    torch's kinds, payloads, baselines and checksums, and applies mask payloads exactly."""
+    from ray_reshard.execution.delta_cuda import CudaCodec
+
+    cuda = CudaCodec(launch=cuda_source_on_host, threads=threads)
+    rng = random.Random(threads)
+    kinds = set()
+    for trial in range(50):
+        g = rng.choice([1, 2, 4, 8])
+        n = rng.randint(1, 3000)
+        base, new, _ = bucket(n * g, rng.choice([0, 0.001, 0.02, 0.1, 0.5, 0.95, 1.0]), trial, g)
+        a, b = base.clone(), base.clone()
+        oa = torch.full((n * g,), 3, dtype=torch.uint8)
+        ob = torch.full((n * g,), 4, dtype=torch.uint8)
+        ea, eb = cuda.encode(new, a, oa, g), TORCH.encode(new, b, ob, g)
+        assert torch.equal(a, new) and torch.equal(b, new)
+        assert (ea.kind, ea.nbytes, ea.check) == (eb.kind, eb.nbytes, eb.check), trial
+        kinds.add(ea.kind)
+        if ea.kind in (D.MASK, D.INDEX):
+            assert torch.equal(ea.payload, eb.payload)
+            into = base.clone()
+            assert cuda.apply(ea.kind, ea.payload, into, g) == ea.check
+            assert torch.equal(into, new)
+            if ea.kind == D.MASK:                   # a mask that does not match its values
+                with pytest.raises(ValueError):
+                    cuda.apply(D.MASK, ea.payload[:-g], base.clone(), g)
+    assert kinds == {D.SAME, D.MASK, D.INDEX, D.DENSE}
+
+
+@pytest.mark.gpu
+def test_cuda_kernel_equals_the_host_kernel():
+    from ray_reshard.execution import delta_cuda
+
+    cuda = delta_cuda.codec()
+    assert cuda is not None, delta_cuda.why_not()
+    for fraction in (0.0, 0.001, 0.1, 0.95, 1.0):
+        for g, n in ((2, 3_000_001), (4, 777_777), (1, 65_537), (8, 100_003)):
+            base, new, _ = bucket(n * g, fraction, n, g)
+            kept = base.clone()
+            cpu = HOST.encode(new, kept, torch.empty_like(new), g, probe=False)
+            gbase = base.cuda()
+            gpu = cuda.encode(new.cuda(), gbase, torch.empty_like(gbase), g)
+            assert torch.equal(gbase.cpu(), new)
+            assert (gpu.kind, gpu.nbytes, gpu.check) == (cpu.kind, cpu.nbytes, cpu.check)
+            if cpu.kind in (D.MASK, D.INDEX):
+                assert torch.equal(gpu.payload.cpu(), cpu.payload)
+                into = base.cuda()
+                assert cuda.apply(gpu.kind, gpu.payload, into, g) == cpu.check
+                assert torch.equal(into.cpu(), new)
