@@ -16,7 +16,9 @@ small function inside the workers:
         src_actors = train_worker_actors()
 
 With several vLLM engines (data parallel as separate engines), concatenate their lists in engine
-order.
+order. A group that calls into Ray Train workers while their training function waits needs Ray
+Train V2, whose workers run that function in a thread and take calls meanwhile;
+`ray_reshard.integrations.ray_train.WeightSync` does all of this for vLLM engines.
 """
 from __future__ import annotations
 
