@@ -22,6 +22,10 @@ CASES = {
                          "ok: engines hold the FSDP2 model's weights bit-exactly"),
     "megatron_to_vllm.py": (["--layers", "2", "--hidden", "64"],
                             "ok: the engines' model gives exactly the trainers' logits"),
+    # the trainer's workers mostly wait: leave the shared cluster's CPUs to the others
+    "ray_train_vllm.py": (["--steps", "2", "--cpus-per-worker", "0.01"],
+                          "ok: 2 steps, the engine served the trainers' weights after every "
+                          "refit"),
 }
 
 
@@ -72,7 +76,8 @@ def test_unreachable_address_is_one_line_and_exit_2():
     with socket.socket() as s:            # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    for name in ("quickstart.py", "dtensor_fsdp2.py", "megatron_to_vllm.py", "rl_loop.py"):
+    for name in ("quickstart.py", "dtensor_fsdp2.py", "megatron_to_vllm.py", "rl_loop.py",
+                 "ray_train_vllm.py"):
         p = subprocess.run([sys.executable, str(ROOT / "examples" / name), "--address",
                             f"127.0.0.1:{port}"], cwd=ROOT, capture_output=True, text=True,
                            timeout=120)
