@@ -25,6 +25,16 @@ single run would.
 runs of that fitted constant}) and "settings" (the other fields the run sets) are what the
 `local` preset in `ray_reshard/sim/cluster.py` is copied from; each run's own, and the figures
 they are fitted to ("measured"), are under "per_run".
+
+    python -m ray_reshard.bench.sim_calibrate --check [--rates 1gbit,2gbit] [--mb 64]
+
+`--check` fits nothing: on a cluster in a box (`ray_reshard.netns_cluster`: 3 Ray nodes in
+network namespaces, links shaped with tc; needs root, `ip` and `tc`) it refits each layout of
+`bench.shaped.layouts` (pipeline stages, experts, uneven shards, 2 and 3 nodes) at each link
+rate, dense and delta (`--fraction` of the elements changed between refits), and prints the
+measured median of `--repeats` beside the prediction of the `shaped` preset for that rate (the
+link's known rate, the local preset's other constants); a prediction more than 15% off is a
+MISS. The summary states the systematic bias (the median of predicted / measured - 1).
 """
 from __future__ import annotations
 
@@ -32,6 +42,7 @@ import json
 import os
 import statistics
 import time
+from typing import Optional
 
 import ray
 import torch
@@ -39,7 +50,7 @@ import torch
 import ray_reshard as rr
 from ray_reshard.cli_args import Parser, output_file
 from ray_reshard.execution.program import PER_ITEM_MIN_BYTES
-from ray_reshard.sim import Cluster, gather_broadcast_seconds, simulate
+from ray_reshard.sim import Cluster, gather_broadcast_seconds, messages_exact, simulate
 from ray_reshard.testing import holders, local_cluster
 
 N = 4
@@ -288,19 +299,156 @@ def predict_cases(args, src, dst, local: Cluster) -> list:
     return rows
 
 
+CHECK_MISS = 0.15          # --check: a prediction further than this off the measured median
+
+
+def check_shaped(rates: list, mb: int, count: int, repeats: int, fraction: float,
+                 bucket_mb: int = 16, layout_names: Optional[list] = None) -> dict:
+    """Inside a box's driver: each layout at each rate, dense and delta, measured (median of
+    `repeats` after a warm-up, each run's link bytes counted) beside the `shaped` preset's
+    prediction for that rate. Returns {"rows": [...], "summary": {...}}."""
+    from ray_reshard.sim.cluster import shaped as shaped_preset
+    from ray_reshard.sim.delta import simulate_delta
+
+    from . import shaped
+
+    bucket = bucket_mb << 20
+    counted = shaped.Counted()
+    names = layout_names or list(shaped.layouts())
+    rows = []
+    print(f"{'layout':<42} {'rate':>6} {'kind':>6} {'measured s: median [range]':>27} "
+          f"{'predicted s':>11} {'pred/meas':>9} {'wire MB':>8} {'pred MB':>8}   (median of "
+          f"{repeats} refits after a warm-up; more than {CHECK_MISS:.0%} off is a MISS)",
+          flush=True)
+    for name in names:
+        spec_set = shaped.specs(name, mb, count)
+        _, _, _, src_nodes, dst_nodes, _ = shaped.layouts()[name]
+        src, dst = shaped.place(src_nodes, dst_nodes)
+        shaped.fill(src, dst, spec_set)
+        try:
+            with rr.ReshardGroup(src, dst, bucket_bytes=bucket) as g:
+                plan = g.plan(spec_set)
+                for rate in rates:
+                    shaped.set_rate(rate)
+                    cl = shaped_preset(shaped.rate_Bps(rate))
+                    msgs = messages_exact(plan, bucket, cl.per_item_min_bytes)
+                    step = iter(range(1 << 30))
+                    change = lambda: ray.get([a.change.remote(fraction, next(step))
+                                              for a in src])
+                    for kind in ("dense", "delta"):
+                        runs = shaped.timed_refits(g, spec_set, repeats, counted,
+                                                   delta=kind == "delta",
+                                                   between=change if kind == "delta" else None)
+                        if kind == "dense":
+                            pred = simulate(plan, cl, bucket, "exact").predicted_s
+                            pred_bytes = plan.stats.network_bytes
+                        else:
+                            d = simulate_delta(plan, msgs, cl, bucket, fraction)
+                            pred, pred_bytes = d["predicted_s"], d["network_bytes"]
+                        wire = statistics.median(sum(v[1] for v in w.values())
+                                                 for w in runs["wire"])
+                        rows.append(_check_row(name, rate, kind, runs["seconds"], pred, wire,
+                                               pred_bytes, shaped.busiest_link(
+                                                   shaped.link_bytes(plan))
+                                               / shaped.rate_Bps(rate)))
+        finally:
+            for a in src + dst:
+                ray.kill(a)
+    return {"rows": rows, "summary": check_summary(rows)}
+
+
+def _check_row(layout, rate, kind, runs, predicted, wire, pred_bytes, bound_s) -> dict:
+    med = statistics.median(runs)
+    ratio = predicted / med
+    row = {"layout": layout, "rate": rate, "kind": kind, "measured_s": runs, "median_s": med,
+           "low_s": min(runs), "high_s": max(runs), "predicted_s": predicted, "ratio": ratio,
+           "miss": abs(ratio - 1) > CHECK_MISS, "wire_bytes": wire,
+           "predicted_network_bytes": pred_bytes, "link_bound_s": bound_s}
+    spread = f"{med:.3f} [{min(runs):.3f}-{max(runs):.3f}]"
+    print(f"{layout:<42} {rate:>6} {kind:>6} {spread:>27} {predicted:>11.3f} {ratio:>9.2f} "
+          f"{wire / 1e6:>8.1f} {pred_bytes / 1e6:>8.1f}{'   MISS' if row['miss'] else ''}",
+          flush=True)
+    return row
+
+
+def check_summary(rows: list) -> dict:
+    """How the predictions did: misses, and the bias (median and mean of predicted /
+    measured - 1) over all rows and per kind and rate."""
+    def stats(rs):
+        devs = [r["ratio"] - 1 for r in rs]
+        return {"cases": len(rs), "misses": sum(r["miss"] for r in rs),
+                "bias_median": statistics.median(devs), "bias_mean": statistics.fmean(devs),
+                "worst": max(devs, key=abs)}
+    out = {"all": stats(rows)}
+    for key in ("kind", "rate"):
+        for v in dict.fromkeys(r[key] for r in rows):
+            out[f"{key}={v}"] = stats([r for r in rows if r[key] == v])
+    out["missed"] = [f"{r['layout']} {r['rate']} {r['kind']}" for r in rows if r["miss"]]
+    return out
+
+
+def check_main(args, ap) -> int:
+    from ray_reshard.netns_cluster import rate_bytes_per_s, unavailable
+
+    from .shaped import run_in_box
+
+    rates = [r.strip().lower() for r in args.rates.split(",") if r.strip()]
+    try:
+        if not rates:
+            raise ValueError("no rate given")
+        for r in rates:
+            rate_bytes_per_s(r)
+    except ValueError as e:
+        ap.error(f"--rates: {e}")
+    if not 0 < args.fraction < 1:
+        ap.error(f"--fraction must be between 0 and 1, got {args.fraction}")
+    why = unavailable()
+    if why:
+        ap.error(f"--check needs a cluster in a box: {why}")
+    out = run_in_box("ray_reshard.bench.sim_calibrate:check_shaped",
+                     {"rates": rates, "mb": args.mb, "count": args.count,
+                      "repeats": args.repeats, "fraction": args.fraction,
+                      "bucket_mb": args.bucket_mb}, nodes=3, rate=rates[0])
+    sm = out["summary"]
+    print(f"\n{sm['all']['cases'] - sm['all']['misses']} of {sm['all']['cases']} predictions "
+          f"within {CHECK_MISS:.0%} of the measured medians; bias (predicted / measured - 1): "
+          f"median {sm['all']['bias_median']:+.1%}, mean {sm['all']['bias_mean']:+.1%}, worst "
+          f"{sm['all']['worst']:+.1%}")
+    for k, v in sm.items():
+        if k not in ("all", "missed"):
+            print(f"  {k:<14} median {v['bias_median']:+.1%}, mean {v['bias_mean']:+.1%}, "
+                  f"{v['misses']} of {v['cases']} missed")
+    if sm["missed"]:
+        print("MISSES: " + "; ".join(sm["missed"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"check": True, "rates": rates, "mb": args.mb, "count": args.count,
+                       "repeats": args.repeats, "fraction": args.fraction, **out}, f, indent=1)
+    return 0
+
+
 def main(argv=None) -> int:
-    ap = Parser(description=__doc__.splitlines()[0])
+    ap = Parser(prog="ray_reshard.bench.sim_calibrate", description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=int, default=64, help="megabytes of weights per case")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bucket-mb", type=int, default=16)
     ap.add_argument("--runs", type=int, default=3,
                     help="whole calibration runs (constants and cases), summarized by median")
+    ap.add_argument("--check", action="store_true",
+                    help="fit nothing: compare the shaped preset's predictions with refits on a "
+                         "cluster in a box (needs root, ip and tc)")
+    ap.add_argument("--rates", default="1gbit,2gbit", help="--check: link rates (tc syntax)")
+    ap.add_argument("--count", type=int, default=32, help="--check: tensors per layout")
+    ap.add_argument("--fraction", type=float, default=0.1,
+                    help="--check: share of the elements changed between delta refits")
     ap.add_argument("--json", metavar="PATH", type=output_file,
                     help="also write the figures as JSON; its \"constants\" (the median over "
                          "the runs) and \"settings\" are the local preset's Cluster fields")
     args = ap.parse_args(argv)
-    if args.runs < 1 or args.repeats < 1:
-        ap.error("--runs and --repeats must be positive")
+    if args.runs < 1 or args.repeats < 1 or args.mb < 1 or args.count < 1:
+        ap.error("--runs, --repeats, --mb and --count must be positive")
+    if args.check:
+        return check_main(args, ap)
     with local_cluster(2):
         src, dst = holders(N, 0), holders(N, 1)
         near = holders(N, 1)                         # beside the destinations: same domain

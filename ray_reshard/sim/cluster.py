@@ -183,6 +183,27 @@ PRESETS = {
 }
 
 
+# The cluster in a box (`ray_reshard.netns_cluster`): this machine's Ray nodes in network
+# namespaces, each node's one link shaped by tc to a known rate each way. A node's 4 ranks
+# share that link: each rank gets a quarter of it (exact where a plan spreads a node's network
+# bytes over its 4 ranks, as reshard does for 4 ranks a node; the engine has no shared per-node
+# link). Every other constant is the local preset's (the same machine, cores and rings); no
+# fabric cap (the links are separate), and no constant is fitted to refits on the box.
+BOX_RANKS_PER_NODE = 4
+
+
+def shaped(rate_Bps: float, name: Optional[str] = None) -> Cluster:
+    """The cluster in a box with every node's link at `rate_Bps` bytes per second each way."""
+    if not rate_Bps > 0:
+        raise ValueError(f"rate_Bps must be positive, got {rate_Bps}")
+    return replace(PRESETS["local"], name=name or f"shaped-{rate_Bps * 8 / GB:g}gbit",
+                   nic_Bps=rate_Bps / BOX_RANKS_PER_NODE, fabric_Bps=None)
+
+
+PRESETS["shaped-1gbit"] = shaped(1 * GB / 8)
+PRESETS["shaped-2gbit"] = shaped(2 * GB / 8)
+
+
 def preset(name: str) -> Cluster:
     try:
         return PRESETS[name]
@@ -229,6 +250,14 @@ PROVENANCE = {
                         "domain_fabric_Bps", "refit_overhead_s", "copy_Bps", "contig_copy_Bps",
                         "cpu_cores")},
 }
+_SHAPED = {n: (MEASURED_CPU, "the local preset's (python -m ray_reshard.bench.sim_calibrate)")
+           for n in ("gpus_per_domain", "nvlink_Bps", "latency_s", "ring_latency_s", "item_s",
+                     "tensor_s", "message_s", "domain_fabric_Bps", "refit_overhead_s",
+                     "copy_Bps", "contig_copy_Bps", "cpu_cores")}
+for _rate in (1, 2):
+    PROVENANCE[f"shaped-{_rate}gbit"] = {
+        **_SHAPED, "nic_Bps": (GIVEN, f"the link's tc rate, {_rate} Gbit/s each way, shared by "
+                                      f"a node's {BOX_RANKS_PER_NODE} ranks")}
 
 
 _DELTA_GPU = {
@@ -244,6 +273,8 @@ DELTA_PROVENANCE = {
                                 "thread, 10% changed; see docs/benchmarks.md)")
               for n in ("delta_encode_Bps", "delta_decode_Bps")},
 }
+for _rate in (1, 2):
+    DELTA_PROVENANCE[f"shaped-{_rate}gbit"] = DELTA_PROVENANCE["local"]
 
 
 def constants(cluster: Cluster, preset_name: str, given: tuple = (), delta: bool = False
