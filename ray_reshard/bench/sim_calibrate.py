@@ -390,7 +390,7 @@ def check_summary(rows: list) -> dict:
 def check_main(args, ap) -> int:
     from ray_reshard.netns_cluster import rate_bytes_per_s, unavailable
 
-    from .shaped import run_in_box
+    from .shaped import layouts, run_in_box
 
     rates = [r.strip().lower() for r in args.rates.split(",") if r.strip()]
     try:
@@ -402,13 +402,21 @@ def check_main(args, ap) -> int:
         ap.error(f"--rates: {e}")
     if not 0 < args.fraction < 1:
         ap.error(f"--fraction must be between 0 and 1, got {args.fraction}")
+    names = list(layouts())
+    picked = names
+    if args.layouts:
+        try:
+            picked = [names[int(i)] for i in args.layouts.split(",")]
+        except (ValueError, IndexError):
+            ap.error(f"--layouts: expected indices 0-{len(names) - 1}, got {args.layouts!r}")
     why = unavailable()
     if why:
         ap.error(f"--check needs a cluster in a box: {why}")
     out = run_in_box("ray_reshard.bench.sim_calibrate:check_shaped",
                      {"rates": rates, "mb": args.mb, "count": args.count,
                       "repeats": args.repeats, "fraction": args.fraction,
-                      "bucket_mb": args.bucket_mb}, nodes=3, rate=rates[0])
+                      "bucket_mb": args.bucket_mb, "layout_names": picked},
+                     nodes=3, rate=rates[0])
     sm = out["summary"]
     print(f"\n{sm['all']['cases'] - sm['all']['misses']} of {sm['all']['cases']} predictions "
           f"within {CHECK_MISS:.0%} of the measured medians; bias (predicted / measured - 1): "
@@ -439,6 +447,8 @@ def main(argv=None) -> int:
                          "cluster in a box (needs root, ip and tc)")
     ap.add_argument("--rates", default="1gbit,2gbit", help="--check: link rates (tc syntax)")
     ap.add_argument("--count", type=int, default=32, help="--check: tensors per layout")
+    ap.add_argument("--layouts", help="--check: comma-separated indices into the layouts "
+                                      "(default: all 8; see bench/shaped.py)")
     ap.add_argument("--fraction", type=float, default=0.1,
                     help="--check: share of the elements changed between delta refits")
     ap.add_argument("--json", metavar="PATH", type=output_file,
