@@ -57,6 +57,8 @@ from .engine_views import (WorkerView, current_actor_id, entry, export_tensors, 
                            local_tensors)
 
 BACKEND = "ray_reshard"
+REGISTER_TIMEOUT_S = 300.0  # how long the sender waits for every rank's trainer_init
+ROUND_MARGIN_S = 120.0      # a waiting rank's margin over the refit's deadline
 FULL = "full:"            # storage name prefix of fallback staging tensors (whole HF tensors)
 IN_PLACE_MOE_BACKENDS = ("TRITON", "BATCHED_TRITON")
 PACKED_COPY = "its GEMM reads a packed copy (CPU prepack), not this parameter"
@@ -497,6 +499,13 @@ def _worker_forget(worker, key: str) -> None:
         eng.forget(key)
 
 
+def _await_registered(actor, key: str, rank: int, timeout_s: float) -> None:
+    """Wait until this trainer rank's trainer_init registered its tensors under `key`."""
+    if not entry(key).setdefault("registered", threading.Event()).wait(timeout_s):
+        raise RuntimeError(f"trainer rank {rank} did not call trainer_init for transfer {key!r} "
+                           f"within {timeout_s:.0f} s (every rank must)")
+
+
 def _release(actor, key: str, round_no: int, error: Optional[str]) -> None:
     ent = entry(key)
     ev = ent["rounds"].setdefault(round_no, threading.Event())
@@ -694,7 +703,9 @@ class RayReshardTrainerEngine(TrainerWeightTransferEngine[RayReshardTrainerInitI
                 raise ValueError("give RayReshardTrainerInitInfo.tensors (this rank's storages) "
                                  "or, with vLLM >= 0.33, a WeightSource with iter_local()")
             tensors = lambda: dict(source.iter_local())       # noqa: E731
-        entry(info.key)["tensors"] = tensors
+        ent = entry(info.key)
+        ent["tensors"] = tensors
+        ent.setdefault("registered", threading.Event()).set()
         src_actors = info.src_actors if info.src_actors is not None else train_worker_actors()
         engine = cls(client=client, source=source, is_sender=info.is_sender, rank=info.rank,
                      init_info=info)
@@ -718,9 +729,13 @@ class RayReshardTrainerEngine(TrainerWeightTransferEngine[RayReshardTrainerInitI
         return engine
 
     def _connect(self, engines: list) -> None:
-        """Describe every worker, plan, allocate staging, reach every worker, open the group."""
+        """Wait for every trainer rank's tensors, describe every worker, plan, allocate
+        staging, reach every worker, open the group."""
         info, key = self.info, self.info.key
         self.engines = list(engines)
+        wait_s = info.timeout_s or REGISTER_TIMEOUT_S
+        ray.get([a.__ray_call__.remote(_await_registered, key, i, wait_s)
+                 for i, a in enumerate(self.src_actors) if i != self.rank], timeout=wait_s + 30)
         where = ray.get([e.__ray_call__.remote(_engine_where) for e in engines])
         reports = ray.get([e.__ray_call__.remote(_engine_rpc, _worker_describe, key, aid)
                            for e, (_, aid) in zip(engines, where)])
@@ -748,9 +763,8 @@ class RayReshardTrainerEngine(TrainerWeightTransferEngine[RayReshardTrainerInitI
                 rank += 1
         ray.get([v.where.remote() for v in self.views])
         self.fallback = {r: sorted(st) for r, st in enumerate(staging) if st}
-        if info.delta:
-            self.delta_names = tuple(sorted(n for n, spec in self.specs.items()
-                                            if written_in_place(spec)))
+        self.delta_names = tuple(sorted(n for n, spec in self.specs.items()
+                                        if written_in_place(spec)))
         self._decisions = [
             {"rank": r, "name": name, "shape": d["shape"], "dtype": d["dtype"],
              "route": ("in place" if d["why"] is None else "fallback"), "why": d["why"],
@@ -772,7 +786,9 @@ class RayReshardTrainerEngine(TrainerWeightTransferEngine[RayReshardTrainerInitI
         if not self.is_sender:
             ent = entry(key)
             ev = ent["rounds"].setdefault(self.round, threading.Event())
-            if not ev.wait(self.info.timeout_s or 3600.0):
+            # the sender's round is its refit (timeout_s) plus the engine's start, load and
+            # finish: wait for it with a margin
+            if not ev.wait((self.info.timeout_s or 3600.0) + ROUND_MARGIN_S):
                 raise TimeoutError(f"trainer rank {self.rank}: the sender did not finish round "
                                    f"{self.round}")
             err = ent["errors"].pop(self.round, None)
