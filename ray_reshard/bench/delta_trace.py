@@ -67,7 +67,7 @@ GOAL_SHAPED_AT_10 = 0.2      # on 1 Gbit/s links (--shaped): 10% changed
 GOAL_SHAPED_TRACE = 0.15     # ... and along the trace
 GOAL_ENCODE_GBPS = 4.0       # the codec on one thread, 10% changed: bucket GB/s encoded
 GOAL_DECODE_GBPS = 6.0       # ... and decoded (applied, checksummed)
-CODEC_FRACTIONS = (0.0, 0.001, 0.1, 1.0)
+CODEC_FRACTIONS = (0.0, 0.001, 0.01, 0.1, 1.0)
 SMALL_MB = 4
 
 
@@ -612,7 +612,8 @@ def add_args(ap) -> None:
                          "the links' bytes counted by the kernel, the shaped-link goals judged")
     ap.add_argument("--codec", action="store_true",
                     help="only the codec on one thread (no cluster): GB/s encoded and decoded "
-                         "at 0, 0.1%%, 10%% and 100%% changed, medians of 9 (or --repeats, if more)")
+                         "at 0, 0.1%%, 1%%, 10%% and 100%% changed, medians of 9 (or --repeats, if "
+                         "more)")
     ap.add_argument("--json", metavar="PATH", type=output_file,
                     help="also write every figure as JSON")
 

@@ -171,20 +171,21 @@ class HostCodec:
             raise ValueError(f"delta encode: {nbytes}-byte bucket, granule {g}, baseline "
                              f"{base.numel()} bytes, output {out.numel()} bytes")
         n = nbytes // g
-        head = (n + 7) // 8
-        cap = (head + g) // INDEX_BYTES + 1          # every count an INDEX payload may win at
-        index = getattr(self._local, "index", None)
-        if index is None or index.numel() < cap:
-            index = self._local.index = torch.empty(cap, dtype=torch.int32)
         check, changed, stopped = self.kernel.encode(
-            rows, base.data_ptr(), out.data_ptr(), out.numel(), index.data_ptr(), cap, g,
-            n, dense_after(nbytes, g), CHUNK if probe else 0, probe_from(n), MOSTLY_CHANGED)
+            rows, base.data_ptr(), out.data_ptr(), out.numel(), g, n, dense_after(nbytes, g),
+            CHUNK if probe else 0, probe_from(n), MOSTLY_CHANGED)
         if stopped:
             return Encoded(DENSE, nbytes, changed)
         if changed == 0:
             return Encoded(SAME, 0, 0, _signed(check))
         kind, size = encoded_bytes(nbytes, g, changed)
-        if kind == INDEX:
+        if kind == INDEX:               # few changed: their indices from the bits, then moved
+            index = getattr(self._local, "index", None)
+            if index is None or index.numel() < changed:
+                index = self._local.index = torch.empty(max(changed, 1 << 16),
+                                                        dtype=torch.int32)
+            self.kernel.bits_to_index(out.data_ptr(), n, index.data_ptr(), changed)
+            head = (n + 7) // 8
             vals = out[_up(head, g):_up(head, g) + changed * g].clone()
             at = changed * INDEX_BYTES
             out[:at].copy_(index[:changed].view(torch.uint8))

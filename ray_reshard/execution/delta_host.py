@@ -181,8 +181,9 @@ struct BitReader {
         int64_t byte = pos >> 3;
         int sh = (int)(pos & 7);
         uint64_t w = 0;
-        int64_t avail = nbytes - byte;
-        memcpy(&w, p + byte, avail >= 8 ? 8 : (size_t)avail);
+        const int64_t avail = nbytes - byte;
+        if (avail >= 8) memcpy(&w, p + byte, 8);
+        else memcpy(&w, p + byte, (size_t) avail);
         w >>= sh;
         if (sh && sh + k > 64) w |= (uint64_t)p[byte + 8] << (64 - sh);
         pos += k;
@@ -191,14 +192,7 @@ struct BitReader {
 
 template <typename T>
 static inline void take(const T* a, T* b, uint64_t m, int pc, T* vals, int64_t& c,
-                        int64_t cap, int32_t* idx, int64_t idx_cap, int64_t at) {
-    if (c < idx_cap) {
-        uint64_t mm = m;
-        for (int64_t cc = c; mm && cc < idx_cap; cc++) {
-            idx[cc] = (int32_t)(at + __builtin_ctzll(mm));
-            mm &= mm - 1;
-        }
-    }
+                        int64_t cap) {
 #if RR_AVX512 && defined(__AVX512VBMI2__)
     if (sizeof(T) == 2) {
         const uint16_t* a16 = (const uint16_t*)a;
@@ -260,7 +254,7 @@ static inline void take(const T* a, T* b, uint64_t m, int pc, T* vals, int64_t& 
 
 template <typename T>
 static int64_t encode(const int64_t* rows, int64_t n_rows, T* base, uint8_t* out,
-                      int64_t out_bytes, int32_t* idx, int64_t idx_cap, int64_t n,
+                      int64_t out_bytes, int64_t n,
                       int64_t dense_at, int64_t probe_every, int64_t probe_from, double mostly,
                       uint64_t* res) {
     const int64_t head = (n + 7) / 8;
@@ -290,18 +284,16 @@ static int64_t encode(const int64_t* rows, int64_t n_rows, T* base, uint8_t* out
                 m = neq_tail(a, b, k);
                 check += sum_tail(a, k);
             }
-            if (m) {
-                int pc = __builtin_popcountll(m);
+            if (k == 64) {                     // no branch on m: ~half the blocks of a
+                const int pc = __builtin_popcountll(m);    // bucket 1% changed have a change
                 if (c + pc > dense_at) goto dense;
-                if (k == 64) {
-                    take(a, b, m, pc, vals, c, cap, idx, idx_cap, seen);
-                } else {
-                    for (uint64_t mm = m; mm; mm &= mm - 1) {
-                        int j = __builtin_ctzll(mm);
-                        if (c < idx_cap) idx[c] = (int32_t)(seen + j);
-                        vals[c++] = a[j];
-                        b[j] = a[j];
-                    }
+                take(a, b, m, pc, vals, c, cap);
+            } else if (m) {
+                if (c + __builtin_popcountll(m) > dense_at) goto dense;
+                for (uint64_t mm = m; mm; mm &= mm - 1) {
+                    const int j = __builtin_ctzll(mm);
+                    vals[c++] = a[j];
+                    b[j] = a[j];
                 }
             }
             bw.put(m, k);
@@ -368,10 +360,9 @@ static inline void place64(T* dst, uint64_t m, const T* vals, int64_t& c, int64_
             const uint64_t mq = L == 64 ? m : (m >> (q * L)) & ((1ull << L) - 1);
             T* d = dst + q * L;
             __m512i old = _mm512_loadu_si512(d);
-            if (!mq) { v[q] = old; continue; }
             const T* p = vals + c;
             const bool whole = c + L <= n_vals;      // a whole vector may be read
-            __m512i x;
+            __m512i x;                               // (no branch on mq: see encode)
             if constexpr (sizeof(T) == 1) {
 #if defined(__AVX512VBMI2__)
                 x = whole ? _mm512_mask_expand_epi8(old, mq, _mm512_loadu_si512(p))
@@ -470,12 +461,29 @@ static int64_t apply_index(const int64_t* rows, int64_t n_rows, const uint8_t* p
 extern "C" {
 
 int64_t rr_delta_encode(const int64_t* rows, int64_t n_rows, uint8_t* base, uint8_t* out,
-                        int64_t out_bytes, int32_t* idx, int64_t idx_cap, int64_t g, int64_t n,
+                        int64_t out_bytes, int64_t g, int64_t n,
                         int64_t dense_at, int64_t probe_every, int64_t probe_from,
                         double mostly, uint64_t* res) {
-    RR_BY_GRANULE(g, encode<T>(rows, n_rows, (T*)base, out, out_bytes, idx, idx_cap, n,
+    RR_BY_GRANULE(g, encode<T>(rows, n_rows, (T*)base, out, out_bytes, n,
                                dense_at, probe_every, probe_from, mostly, res))
     return -2;
+}
+
+// The indices of the set bits among the first n (at most `cap`); returns how many.
+int64_t rr_delta_bits_to_index(const uint8_t* bits, int64_t n, int32_t* idx, int64_t cap) {
+    int64_t c = 0;
+    for (int64_t w = 0; w * 64 < n; w++) {
+        uint64_t m = 0;
+        const int64_t k = n - w * 64 < 64 ? n - w * 64 : 64;
+        if (k == 64) {
+            memcpy(&m, bits + 8 * w, 8);
+        } else {
+            memcpy(&m, bits + 8 * w, (size_t) ((k + 7) / 8));
+            m &= (1ull << k) - 1;
+        }
+        for (; m && c < cap; m &= m - 1) idx[c++] = (int32_t) (w * 64 + __builtin_ctzll(m));
+    }
+    return c;
 }
 
 // kind 0: checksum only; 1: a mask payload; 2: an index payload. res[0]: the checksum.
@@ -508,24 +516,31 @@ class HostKernel:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._encode = lib.rr_delta_encode
         self._encode.restype = i64
-        self._encode.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64,
+        self._encode.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64,
                                  ctypes.c_double, ptr]
+        self._to_index = lib.rr_delta_bits_to_index
+        self._to_index.restype = i64
+        self._to_index.argtypes = [ptr, i64, ptr, i64]
         self._apply = lib.rr_delta_apply
         self._apply.restype = i64
         self._apply.argtypes = [i64, ptr, i64, ptr, i64, i64, i64, ptr]
 
-    def encode(self, rows, base: int, out: int, out_bytes: int, idx: int, idx_cap: int, g: int,
-               n: int, dense_at: int, probe_every: int, probe_from: int, mostly: float
-               ) -> tuple[int, int, bool]:
+    def encode(self, rows, base: int, out: int, out_bytes: int, g: int, n: int, dense_at: int,
+               probe_every: int, probe_from: int, mostly: float) -> tuple[int, int, bool]:
         """(checksum as unsigned, granules changed, stopped dense) of rows `rows` ((k, 2)
         int64, C order) against the baseline at address `base`."""
         import numpy as np
         res = np.zeros(3, dtype=np.uint64)
-        code = self._encode(rows.ctypes.data, len(rows), base, out, out_bytes, idx, idx_cap, g,
-                            n, dense_at, probe_every, probe_from, mostly, res.ctypes.data)
+        code = self._encode(rows.ctypes.data, len(rows), base, out, out_bytes, g, n, dense_at,
+                            probe_every, probe_from, mostly, res.ctypes.data)
         if code < 0:
             raise ValueError(f"delta kernel: granule {g} is not 1, 2, 4 or 8")
         return int(res[0]), int(res[1]), bool(code)
+
+    def bits_to_index(self, bits: int, n: int, idx: int, cap: int) -> int:
+        """Write the indices of the set bits among the first `n` at `bits` to `idx` (int32, at
+        most `cap`); returns how many."""
+        return self._to_index(bits, n, idx, cap)
 
     def apply(self, kind: int, rows, payload: int, size: int, g: int, n: int) -> Optional[int]:
         """The checksum (unsigned) of the rows after applying the payload (kind 0: nothing to
