@@ -36,7 +36,8 @@ in one line and runs on loopback), once per link rate; every timed run reads the
 counters of every link, so each peer's time stands beside the bytes it put on the wire, and
 every figure beside the link bound (the busiest link's bytes of reshard's plan over its rate).
 It also refits the layouts across 3 nodes of `bench.shaped.layouts` (pipeline stages, experts)
-beside their link bounds.
+beside their link bounds. There reshard's bucket is 4 MiB unless `--bucket-mb` says otherwise
+(gather-broadcast keeps 16 MiB: its collectives gain from large buckets).
 
 Every peer is timed from the driver's call to every destination holding the weights. The peers
 take turns within each repeat (so drift on a shared machine hits all alike), in an order rotated
@@ -78,6 +79,8 @@ EXTRA = (RDT_FLAT, FAIR[0], FORWARD)
 # over the plan's network bytes.
 GOAL_LINK_SHARE = {"1gbit": 0.93, "2gbit": 0.9}
 GOAL_WIRE = 1.05
+GB_BUCKET_MB = 16             # gather-broadcast's bucket (whole tensors per collective), at least
+SHAPED_BUCKET_MB = 4          # reshard's default bucket on shaped links (see `main`)
 
 
 def shape_for(mb: int, count: int) -> tuple[int, int]:
@@ -208,7 +211,9 @@ def _case(src, dst, count: int, mb: int, bucket_mb: int, repeats: int, rdt, log=
         fwd_specs = {n: rr.TensorSpec((rows, cols), torch.float32, tp2, tp2) for n in names}
     bucket = bucket_mb * MiB
     g = rr.ReshardGroup(src, dst, bucket_bytes=bucket)
-    gb = rr.ReshardGroup(src, dst, strategy="gather_broadcast", bucket_bytes=bucket)
+    # gather-broadcast's collectives gain from large buckets: never under 16 MiB
+    gb = rr.ReshardGroup(src, dst, strategy="gather_broadcast",
+                         bucket_bytes=max(bucket, GB_BUCKET_MB * MiB))
     whole = fwd = None
     why_not_rdt = ""
     try:
@@ -347,9 +352,12 @@ def measure(mb: int, counts: list, repeats: int, bucket_mb: int = 16,
     return out
 
 
+# reshard alone on these layouts of `bench.shaped.layouts` (3 nodes) in a shaped run
+SHAPED_LAYOUTS = ("PP2xTP2 -> TP4, 3 nodes", "EP4 -> EP2xTP2, 3 nodes")
+
+
 def measure_shaped(rates: list, mb: int, counts: list, repeats: int, bucket_mb: int = 16,
-                   layout_names: tuple = ("PP2xTP2 -> TP4, 3 nodes", "EP4 -> EP2xTP2, 3 nodes"),
-                   log=print) -> dict:
+                   layout_names: tuple = SHAPED_LAYOUTS, log=print) -> dict:
     """Inside a box's driver: every peer at every count and link rate (each run's link bytes
     counted), then reshard alone on the 3-node layouts; returns the figures."""
     import ray
@@ -590,7 +598,11 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=1,
                     help="whole measurements, each on a fresh cluster; figures are then the "
                          "median of the runs' medians, ranges those of the run medians")
-    ap.add_argument("--bucket-mb", type=int, default=16, help="reshard's bucket size")
+    ap.add_argument("--bucket-mb", type=int, default=None,
+                    help=f"reshard's bucket size (default 16 MiB; with --shaped "
+                         f"{SHAPED_BUCKET_MB}: on a link-bound cluster the first bucket's "
+                         f"packing and the last one's forward inside the node are not "
+                         f"overlapped with the link, and smaller buckets shorten both)")
     ap.add_argument("--store-mb", type=int, default=0,
                     help="object store per node (default: sized for --mb, see harness)")
     ap.add_argument("--shaped", metavar="RATES",
@@ -618,10 +630,18 @@ def main(argv=None) -> int:
             ap.error(f"--mtu must be 1280 to 65000, got {args.mtu}")
     if args.mb is None:
         args.mb = 128 if rates else 256
+    if args.bucket_mb is None:
+        args.bucket_mb = SHAPED_BUCKET_MB if rates else 16
+    if args.bucket_mb < 1:
+        ap.error(f"--bucket-mb must be positive, got {args.bucket_mb}")
     try:
         counts = [int(x) for x in args.counts.split(",")]
         for c in counts:
             shape_for(args.mb, c)
+            if rates:
+                from .shaped import specs
+                for name in SHAPED_LAYOUTS:
+                    specs(name, args.mb, c)
     except ValueError as e:
         ap.error(f"--counts/--mb: {e}")
     if args.repeats < 1 or args.mb < 1 or args.runs < 1:

@@ -79,21 +79,19 @@ def layouts():
 
 def specs(name: str, mb: int, count: int, dtype=torch.float32) -> dict:
     """`count` tensors of layout `name` making `mb` MiB: rows x 1024 (rows a multiple of 4; a
-    multiple of 4 minus 1 for "uneven"), or experts 4 x rows x 1024."""
+    multiple of 4 minus 1 for "uneven"), or 4 experts of rows x 256."""
     import ray_reshard as rr
 
     _, src_of, dst, _, _, shape = layouts()[name]
     isz = torch.tensor([], dtype=dtype).element_size()
     rows = (mb * MiB) // (count * 1024 * isz)
-    if shape == "experts":
-        rows //= 4
     rows -= rows % 4
     if rows < 4:
         raise ValueError(f"{mb} MiB over {count} tensors leaves fewer than 4 rows of 1024 "
                          f"per tensor ({name})")
     if shape == "uneven":
         rows -= 1
-    dims = (4, rows, 1024) if shape == "experts" else (rows, 1024)
+    dims = (4, rows, 256) if shape == "experts" else (rows, 1024)
     return {f"w{i}": rr.TensorSpec(dims, dtype, src_of(i), dst) for i in range(count)}
 
 
