@@ -2,7 +2,8 @@
 links shaped with `tc`, for tests and benchmarks whose network must be slower than memory.
 
     with NetnsCluster(nodes=3, rate="1gbit") as box:      # root, `ip` and `tc` needed
-        figures = box.driver().call("ray_reshard.bench.peers:shaped_case", tensors=32)
+        driver = box.driver()                              # a process in the head's namespace
+        result = driver.call("my_package.refits:one_refit", tensors=32)   # JSON in and out
         box.links.partition(2)                             # node 2 cut off from the head
 
 Each node is a `ray start` in its own namespace; node i carries the resource "node<i>" (what
@@ -31,14 +32,13 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 __all__ = ["NetnsCluster", "Links", "Driver", "DriverError", "unavailable", "links",
-           "clean_leftovers", "PREFIX"]
+           "node_indices", "rate_bytes_per_s", "clean_leftovers", "leftovers", "PREFIX"]
 
 PREFIX = "rrbox"
 SPEC_ENV = "RRBOX_SPEC"          # set in the driver's environment: the box it runs in
@@ -125,16 +125,6 @@ def _spec(box_id: str, nodes: int, rate: str, mtu: int) -> Spec:
 
 
 # ------------------------------------------------------------------ links
-@dataclass
-class LinkState:
-    rate: str
-    delay_ms: float = 0.0
-    jitter_ms: float = 0.0
-    loss: float = 0.0
-    up: bool = True
-    cut_from: list = field(default_factory=list)   # nodes it is partitioned from
-
-
 class Links:
     """Every node's link, changed at run time from any process of the machine (as root).
 
