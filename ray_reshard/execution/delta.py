@@ -139,6 +139,7 @@ class Encoded:
     changed: int
     check: int = 0
     payload: Optional[torch.Tensor] = None
+    rest: object = None           # a DENSE one's baseline left to finish (see HostCodec.encode)
 
 
 def _rows(src) -> np.ndarray:
@@ -161,10 +162,11 @@ class HostCodec:
         self._local = threading.local()           # per thread: the index scratch
 
     def encode(self, new, base: torch.Tensor, out: torch.Tensor, g: int,
-               probe: bool = True) -> Encoded:
+               probe: bool = True, defer: bool = False) -> Encoded:
         """Encode `new` (a packed bucket, uint8, or its rows) against `base` (uint8, the
         bucket's size, host memory) into `out` (at least the bucket's size); `base` then
-        holds the new bytes."""
+        holds the new bytes. With `defer`, a bucket found mostly changed leaves the rest of
+        its bytes out of `base` until `finish(encoded)` (e.g. after posting its send)."""
         rows = _rows(new)
         nbytes = int(rows[:, 1].sum())
         if base.numel() != nbytes or out.numel() < nbytes or nbytes % g:
@@ -173,9 +175,12 @@ class HostCodec:
         n = nbytes // g
         check, changed, stopped = self.kernel.encode(
             rows, base.data_ptr(), out.data_ptr(), out.numel(), g, n, dense_after(nbytes, g),
-            CHUNK if probe else 0, probe_from(n), MOSTLY_CHANGED)
-        if stopped:
-            return Encoded(DENSE, nbytes, changed)
+            CHUNK if probe else 0, probe_from(n), MOSTLY_CHANGED, defer)
+        if stopped is not None:
+            e = Encoded(DENSE, nbytes, changed)
+            if defer:
+                e.rest = (rows, base, g, stopped)
+            return e
         if changed == 0:
             return Encoded(SAME, 0, 0, _signed(check))
         kind, size = encoded_bytes(nbytes, g, changed)
@@ -192,6 +197,13 @@ class HostCodec:
             out[at:_up(at, g)].zero_()
             out[_up(at, g):size].copy_(vals)
         return Encoded(kind, size, changed, _signed(check), out[:size])
+
+    def finish(self, e: Encoded) -> None:
+        """Complete the baseline of a bucket encoded with `defer` (nothing if none is left)."""
+        if e.rest is not None:
+            rows, base, g, start = e.rest
+            self.kernel.copy_rest(rows, base.data_ptr(), g, start)
+            e.rest = None
 
     def apply(self, kind: int, payload: Optional[torch.Tensor], into, g: int) -> int:
         """Apply a MASK or INDEX payload onto `into` (the baseline's bytes: a packed bucket or

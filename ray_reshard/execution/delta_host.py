@@ -252,9 +252,24 @@ static inline void take(const T* a, T* b, uint64_t m, int pc, T* vals, int64_t& 
     }
 }
 
+// The baseline takes the bucket's granules from `from` on, as they are in the rows.
+static void copy_rest(const int64_t* rows, int64_t n_rows, uint8_t* base, int64_t g,
+                      int64_t from) {
+    int64_t pos = 0;                                  // in granules
+    for (int64_t r = 0; r < n_rows; r++) {
+        const int64_t len = rows[2 * r + 1] / g;
+        if (pos + len > from) {
+            const int64_t skip = from > pos ? from - pos : 0;
+            memcpy(base + (pos + skip) * g, (const uint8_t*) rows[2 * r] + skip * g,
+                   (size_t) ((len - skip) * g));
+        }
+        pos += len;
+    }
+}
+
 template <typename T>
 static int64_t encode(const int64_t* rows, int64_t n_rows, T* base, uint8_t* out,
-                      int64_t out_bytes, int64_t n,
+                      int64_t out_bytes, int64_t n, int64_t defer,
                       int64_t dense_at, int64_t probe_every, int64_t probe_from, double mostly,
                       uint64_t* res) {
     const int64_t head = (n + 7) / 8;
@@ -315,17 +330,8 @@ dense:
     res[0] = 0;
     res[1] = c;
     res[2] = 1;
-    {
-        int64_t pos = 0;                              // the rest of the new bytes, as they are
-        for (int64_t r = 0; r < n_rows; r++) {
-            const int64_t len = rows[2 * r + 1] / (int64_t)sizeof(T);
-            if (pos + len > seen) {
-                int64_t from = seen > pos ? seen - pos : 0;
-                memcpy(base + pos + from, (const T*)rows[2 * r] + from, (len - from) * sizeof(T));
-            }
-            pos += len;
-        }
-    }
+    res[3] = seen;
+    if (!defer) copy_rest((const int64_t*) rows, n_rows, (uint8_t*) base, sizeof(T), seen);
     return 1;
 }
 
@@ -461,12 +467,17 @@ static int64_t apply_index(const int64_t* rows, int64_t n_rows, const uint8_t* p
 extern "C" {
 
 int64_t rr_delta_encode(const int64_t* rows, int64_t n_rows, uint8_t* base, uint8_t* out,
-                        int64_t out_bytes, int64_t g, int64_t n,
+                        int64_t out_bytes, int64_t g, int64_t n, int64_t defer,
                         int64_t dense_at, int64_t probe_every, int64_t probe_from,
                         double mostly, uint64_t* res) {
-    RR_BY_GRANULE(g, encode<T>(rows, n_rows, (T*)base, out, out_bytes, n,
+    RR_BY_GRANULE(g, encode<T>(rows, n_rows, (T*)base, out, out_bytes, n, defer,
                                dense_at, probe_every, probe_from, mostly, res))
     return -2;
+}
+
+void rr_delta_copy_rest(const int64_t* rows, int64_t n_rows, uint8_t* base, int64_t g,
+                        int64_t from) {
+    copy_rest(rows, n_rows, base, g, from);
 }
 
 // The indices of the set bits among the first n (at most `cap`); returns how many.
@@ -516,8 +527,11 @@ class HostKernel:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._encode = lib.rr_delta_encode
         self._encode.restype = i64
-        self._encode.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64,
+        self._encode.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i64,
                                  ctypes.c_double, ptr]
+        self._copy_rest = lib.rr_delta_copy_rest
+        self._copy_rest.restype = None
+        self._copy_rest.argtypes = [ptr, i64, ptr, i64, i64]
         self._to_index = lib.rr_delta_bits_to_index
         self._to_index.restype = i64
         self._to_index.argtypes = [ptr, i64, ptr, i64]
@@ -526,16 +540,22 @@ class HostKernel:
         self._apply.argtypes = [i64, ptr, i64, ptr, i64, i64, i64, ptr]
 
     def encode(self, rows, base: int, out: int, out_bytes: int, g: int, n: int, dense_at: int,
-               probe_every: int, probe_from: int, mostly: float) -> tuple[int, int, bool]:
-        """(checksum as unsigned, granules changed, stopped dense) of rows `rows` ((k, 2)
-        int64, C order) against the baseline at address `base`."""
+               probe_every: int, probe_from: int, mostly: float, defer: bool = False
+               ) -> tuple[int, int, Optional[int]]:
+        """(checksum as unsigned, granules changed, None or, stopped dense, the granule it
+        stopped at) of rows `rows` ((k, 2) int64, C order) against the baseline at address
+        `base`; with `defer`, the baseline's rest after a dense stop is left to `copy_rest`."""
         import numpy as np
-        res = np.zeros(3, dtype=np.uint64)
-        code = self._encode(rows.ctypes.data, len(rows), base, out, out_bytes, g, n, dense_at,
-                            probe_every, probe_from, mostly, res.ctypes.data)
+        res = np.zeros(4, dtype=np.uint64)
+        code = self._encode(rows.ctypes.data, len(rows), base, out, out_bytes, g, n, int(defer),
+                            dense_at, probe_every, probe_from, mostly, res.ctypes.data)
         if code < 0:
             raise ValueError(f"delta kernel: granule {g} is not 1, 2, 4 or 8")
-        return int(res[0]), int(res[1]), bool(code)
+        return int(res[0]), int(res[1]), (int(res[3]) if code else None)
+
+    def copy_rest(self, rows, base: int, g: int, start: int) -> None:
+        """The baseline at `base` takes the rows' granules from `start` on."""
+        self._copy_rest(rows.ctypes.data, len(rows), base, g, start)
 
     def bits_to_index(self, bits: int, n: int, idx: int, cap: int) -> int:
         """Write the indices of the set bits among the first `n` at `bits` to `idx` (int32, at

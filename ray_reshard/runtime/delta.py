@@ -114,6 +114,7 @@ class DeltaRun:
         self.dense_bytes = self.sent_bytes = 0
         self.fallbacks: list = []
         self.mismatches: list = []
+        self.deferred: list = []      # baselines to complete once their sends are posted
         self.clock = {"versions": 0.0, "encode": 0.0, "headers": 0.0, "apply": 0.0}
 
     # ------------------------------------------------------------------ before the program
@@ -169,11 +170,22 @@ class DeltaRun:
             base = b.buffers[s.key] = (torch.empty(n, dtype=torch.uint8, device=self.device)
                                        if b.place == "device" else
                                        _host(n, self.device.type == "cuda"))
+        rows = (part.byte_rows() if self.device.type == "cpu" and self.codec.name == "host"
+                else None)
+        # A bucket whose items all travel in place from plain host memory: a dense result's
+        # copy into the baseline waits until its send is posted (`finish`), so the bytes are on
+        # the wire meanwhile.
+        defer = s.per_item and rows is not None and base.device == self.device
         if fresh or not (self.ok[s.peer] and s.delta_ok):
-            self._refresh(part, base, out)
+            if defer:
+                self.deferred.append(lambda: part.pack(base, cache=False))
+            else:
+                self._refresh(part, base, out)
             enc = codec.Encoded(codec.DENSE, n, n // g)
         else:
-            enc = self._encode(part, base, out, g, n)
+            enc = self._encode(part, base, out, g, n, rows, defer)
+            if enc.rest is not None:
+                self.deferred.append(lambda: self.codec.finish(enc))
         if enc.kind == codec.DENSE:
             # the new bytes: the baseline, untouched until the next refit; a host baseline of
             # a GPU's bucket left them in `out` too (see _refresh, _encode)
@@ -185,6 +197,15 @@ class DeltaRun:
         self.clock["encode"] += time.perf_counter() - t0
         return [enc.kind, enc.nbytes, enc.check]
 
+    def finish(self) -> None:
+        """Complete the baselines left until their sends were posted (see `encode`)."""
+        if self.deferred:
+            t0 = time.perf_counter()
+            for fn in self.deferred:
+                fn()
+            self.deferred.clear()
+            self.clock["encode"] += time.perf_counter() - t0
+
     def _refresh(self, part, base: torch.Tensor, out: torch.Tensor) -> None:
         """The baseline takes the bucket's new bytes (a bucket sent dense)."""
         if base.device == self.device:
@@ -193,15 +214,16 @@ class DeltaRun:
             part.pack(out)
             base.copy_(out[:base.numel()])
 
-    def _encode(self, part, base: torch.Tensor, out: torch.Tensor, g: int,
-                n: int) -> codec.Encoded:
+    def _encode(self, part, base: torch.Tensor, out: torch.Tensor, g: int, n: int, rows,
+                defer: bool) -> codec.Encoded:
         b = self.baselines
         if self.device.type == "cpu":
-            rows = part.byte_rows() if self.codec.name == "host" else None
             if rows is None:
                 new = b.scratch_for(n, self.device)
                 part.pack(new)
                 rows = new
+            if self.codec.name == "host":
+                return self.codec.encode(rows, base, out, g, probe=True, defer=defer)
             return self.codec.encode(rows, base, out, g, probe=True)
         new = b.scratch_for(n, self.device)
         part.pack(new)

@@ -312,6 +312,7 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
         handle = net.post_group(ops) if ops else None
         for st, si, after, *unsent in entries:
             pending.append((_UNSENT if unsent else handle, st, st.kind != SEND, si, after))
+        delta.finish()          # baselines of dense buckets sent in place, while they move
         if nxt and all(st.kind != SEND for st in nxt):
             got = []
             for st in nxt:

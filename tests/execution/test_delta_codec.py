@@ -173,6 +173,13 @@ def test_mostly_changed_stops_early_and_keeps_the_baseline_whole(monkeypatch):
     e = HOST.encode(new, kept, torch.empty_like(new), 2)
     assert e.kind == D.DENSE and e.changed < 0.95 * 64 * 1024 * 0.5   # stopped counting
     assert torch.equal(kept, new)
+    # deferred: the rest of the baseline waits for finish() (the send is posted first)
+    regions, rows = rows_of(new, 2, random.Random(1))
+    kept = base.clone()
+    e = HOST.encode(rows, kept, torch.empty_like(new), 2, defer=True)
+    assert e.kind == D.DENSE and e.rest is not None and not torch.equal(kept, new)
+    HOST.finish(e)
+    assert torch.equal(kept, new) and e.rest is None
 
 
 def test_granule_and_prediction():
