@@ -14,9 +14,10 @@ its last delta refit (`Baselines`, in device or host memory). A process running 
    checksum of the new bytes) and posts the payloads: a dense bucket travels as a dense refit
    sends it (its items in place where they are large), a same one not at all;
 3. as a receiver applies each payload as it arrives (`apply`: straight into its destination
-   regions where they are plain host memory, with the checksum) and compares the checksum. A
-   mismatch (the destination changed outside refits) is recorded, not raised, so the refit
-   ends cleanly everywhere and fails as a whole, naming the receiver (`mismatches`).
+   regions where they are plain host memory, with the checksum) and compares the checksum (a
+   SAME bucket's at the end of its program: `check_later`). A mismatch (the destination
+   changed outside refits) is recorded, not raised, so the refit ends cleanly everywhere and
+   fails as a whole, naming the receiver (`mismatches`).
 The baseline's version is confirmed only when the driver says the refit finished everywhere
 (`Baselines.settle`); a refit that failed leaves it unconfirmed, so the next one is dense.
 """
@@ -115,6 +116,7 @@ class DeltaRun:
         self.fallbacks: list = []
         self.mismatches: list = []
         self.deferred: list = []      # baselines to complete once their sends are posted
+        self.unchecked: list = []     # SAME receives whose checksum is checked at the end
         self.clock = {"versions": 0.0, "encode": 0.0, "headers": 0.0, "apply": 0.0}
 
     # ------------------------------------------------------------------ before the program
@@ -268,6 +270,17 @@ class DeltaRun:
     def wire_bytes(self, s) -> int:
         """Bytes a network bucket's payload took on the wire."""
         return self.sends[s.key][1] if s.kind == SEND else self.headers[s.key][1]
+
+    def check_later(self, s) -> None:
+        """A SAME bucket's check waits for `run_checks`: its regions are not written in this
+        refit, so what they are forwarded from is already final; forwards go first."""
+        self.unchecked.append(s)
+
+    def run_checks(self) -> None:
+        """The checks `check_later` left (a mismatch is recorded in `mismatches`)."""
+        for s in self.unchecked:
+            self.apply(s, None)
+        self.unchecked.clear()
 
     def apply(self, s, buf: Optional[torch.Tensor]) -> None:
         """Apply a received MASK or INDEX payload `buf` (None: SAME) onto the receiving part's

@@ -177,7 +177,7 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
             return
         if handle is _UNSENT:   # a delta bucket that did not change: nothing travelled
             if is_recv:         # complete in order (a forward waits on its last bucket)
-                after()         # checks that the destination still holds it
+                after()         # its check (see delta.DeltaRun.check_later)
                 clock["unpack"] += now() - t0
                 done.add(s.key)
             return
@@ -294,7 +294,7 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
                 continue
             kind, size, _ = delta.header(st)
             if kind == DELTA_SAME:
-                entries.append((st, -1, lambda st=st: delta.apply(st, None), "unsent"))
+                entries.append((st, -1, lambda st=st: delta.check_later(st), "unsent"))
                 continue
             left[st.key] = 1
             if kind != DELTA_DENSE:
@@ -444,6 +444,10 @@ def _run(prog: Program, views: dict, tr: Transports, deadline: float, token: Any
         wait_one()
     if carried:
         _run_rings([], rings, ring_step, carried, False)
+    if delta is not None:
+        t0 = now()
+        delta.run_checks()
+        clock["unpack"] += now() - t0
     if rings is not None:
         rings.flush()
         rings.drain(deadline)   # bytes listed for a peer to copy stay put until it has
