@@ -373,6 +373,7 @@ class NetnsCluster:
         clean_leftovers()
         self._claim()
         atexit.register(self.close)
+        _exit_on_sigterm()
         self._started = True
         try:
             self._network()
@@ -505,6 +506,18 @@ class NetnsCluster:
 
 
 # ------------------------------------------------------------------ cleaning up
+def _exit_on_sigterm() -> None:
+    """A SIGTERM ends this process through SystemExit (so `with` blocks and atexit take the
+    box down), where nothing else handles SIGTERM; a SIGKILL leaves the box to the next start."""
+    import threading
+
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        def stop(signum, frame):
+            raise SystemExit(128 + signum)
+        signal.signal(signal.SIGTERM, stop)
+
+
 def _start_time(pid: int) -> Optional[str]:
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -285,6 +285,7 @@ def _case(src, dst, count: int, mb: int, bucket_mb: int, repeats: int, rdt, log=
         # one; each timed run starts once the machine is quiet again.
         times = {name: [] for name in peers}
         wire = {name: [] for name in peers}
+        idle = {name: [] for name in peers}
         order = list(peers)
         waits = []
         for k in range(repeats):
@@ -296,6 +297,8 @@ def _case(src, dst, count: int, mb: int, bucket_mb: int, repeats: int, rdt, log=
                     seconds, links = counted(peers[name])
                     times[name].append(seconds)
                     wire[name].append(links)
+                    if counted.last_timeline:
+                        idle[name].append(counted.last_timeline)
         plan = g.plan(specs)
     finally:
         for group in (g, gb, whole, fwd):
@@ -309,6 +312,10 @@ def _case(src, dst, count: int, mb: int, bucket_mb: int, repeats: int, rdt, log=
         row["plan_links"] = {str(i): v for i, v in link_bytes(plan).items()}
         row["wire"] = {n: [{str(i): v for i, v in w.items()} for w in ws]
                        for n, ws in wire.items()}
+        # where a timed run's time went: before node 0's link started, while it carried the
+        # bytes, after it finished (medians over the repeats)
+        row["link_timeline"] = {n: {k: Spread([x[k] for x in xs]).median for k in xs[0]}
+                                for n, xs in idle.items() if xs}
     row["settle"] = {"runs": len(waits), "waited_s": round(sum(waits), 2),
                      "not_quiet": sum(w >= SETTLE_LIMIT_S for w in waits)}
     return row, why_not_rdt
@@ -409,6 +416,8 @@ def measure_shaped(rates: list, mb: int, counts: list, repeats: int, bucket_mb: 
 def layout_case(name: str, mb: int, count: int, repeats: int, bucket_mb: int,
                 counted) -> dict:
     """reshard alone on a layout of `shaped.layouts()`: timed refits with their link bytes."""
+    import ray
+
     import ray_reshard as rr
 
     from . import shaped
@@ -417,9 +426,13 @@ def layout_case(name: str, mb: int, count: int, repeats: int, bucket_mb: int,
     _, _, _, src_nodes, dst_nodes, _ = shaped.layouts()[name]
     src, dst = shaped.place(src_nodes, dst_nodes)
     shaped.fill(src, dst, spec_set)
-    with rr.ReshardGroup(src, dst, bucket_bytes=bucket_mb * MiB) as g:
-        runs = shaped.timed_refits(g, spec_set, repeats, counted)
-        plan = g.plan(spec_set)
+    try:
+        with rr.ReshardGroup(src, dst, bucket_bytes=bucket_mb * MiB) as g:
+            runs = shaped.timed_refits(g, spec_set, repeats, counted)
+            plan = g.plan(spec_set)
+    finally:
+        for a in src + dst:
+            ray.kill(a)
     return {"seconds": runs["seconds"], "wire": [{str(i): v for i, v in w.items()}
                                                  for w in runs["wire"]],
             "network_bytes": plan.stats.network_bytes,
@@ -444,8 +457,11 @@ def render_shaped_row(row: dict) -> str:
             continue
         s = Spread(row["peers"][name]["values"])
         wire = Spread([wire_in(w) for w in row["wire"][name]]).median
+        tl = row.get("link_timeline", {}).get(name)
+        when = ("" if not tl else f"   link idle {tl['before_ms']:.0f} ms before, busy "
+                f"{tl['busy_ms']:.0f} ms, then {tl['after_ms']:.0f} ms")
         lines.append(f"  {name:<58} {s.text():>26} {bound / s.median:>8.3f} "
-                     f"{wire / 1e6:>8.1f}")
+                     f"{wire / 1e6:>8.1f}{when}")
     return "\n".join(lines)
 
 

@@ -168,19 +168,61 @@ def busiest_link(per_node: dict) -> int:
     return max((max(v) for v in per_node.values()), default=0)
 
 
-class Counted:
-    """Runs a callable with every link's kernel counters read around it."""
+# The head node's link as the driver (in the head's namespace) sees it: bytes out of node 0.
+HEAD_TX = "/sys/class/net/rrbox-eth/statistics/tx_bytes"
 
-    def __init__(self):
+
+class Counted:
+    """Runs a callable with every link's kernel counters read around it and, with `timeline`,
+    node 0's outgoing bytes sampled every millisecond meanwhile (see `idle_link`)."""
+
+    def __init__(self, timeline: bool = True):
+        import os
+
         from ..netns_cluster import links
         self.links = links()
+        self.timeline = timeline and os.path.exists(HEAD_TX)
+        self.last_timeline: Optional[dict] = None
 
     def __call__(self, fn: Callable[[], float]) -> tuple[float, dict]:
         """(what `fn` returned, {node: [bytes out, bytes in]} the links carried meanwhile)."""
+        import threading
+
         before = self.links.counters()
+        samples, stop = [], threading.Event()
+
+        def sample():
+            with open(HEAD_TX) as f:
+                while not stop.is_set():
+                    f.seek(0)
+                    samples.append((time.perf_counter(), int(f.read())))
+                    time.sleep(0.001)
+        th = threading.Thread(target=sample, daemon=True) if self.timeline else None
+        if th:
+            th.start()
+        t0 = time.perf_counter()
         value = fn()
+        t1 = time.perf_counter()
+        if th:
+            stop.set()
+            th.join()
+            self.last_timeline = idle_link(samples, t0, t1)
         d = self.links.delta(before, self.links.counters())
         return value, {i: [c["tx_bytes"], c["rx_bytes"]] for i, c in d.items()}
+
+
+def idle_link(samples: list, t0: float, t1: float) -> Optional[dict]:
+    """From (time, bytes out of node 0) samples around a call from `t0` to `t1`: milliseconds
+    from the call to the link's first 1% of the call's bytes ("before_ms"), the link's busy
+    time up to 99.9% of them ("busy_ms"), and from there to the call's end ("after_ms")."""
+    inside = [(t, b) for t, b in samples if t0 <= t <= t1]
+    if len(inside) < 2 or inside[-1][1] <= inside[0][1]:
+        return None
+    base, total = inside[0][1], inside[-1][1] - inside[0][1]
+    start = next(t for t, b in inside if b - base >= 0.01 * total)
+    end = next(t for t, b in inside if b - base >= 0.999 * total)
+    return {"before_ms": (start - t0) * 1e3, "busy_ms": (end - start) * 1e3,
+            "after_ms": (t1 - end) * 1e3}
 
 
 def rate_Bps(rate: str) -> float:
