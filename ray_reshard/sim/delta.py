@@ -24,7 +24,8 @@ one not at all. Each process exchanges one small message more before its program
 one `latency_s` on top of the refit's overhead. Per network group the sender encodes its
 buckets just before posting them, while its earlier groups are on the wire (the replay's
 order); a receiver posts its payloads once the group's headers arrived (one `latency_s` after
-its senders posted), and after posting a group applies what it received in earlier groups.
+its senders posted), after posting a group applies what it received in earlier groups, and
+checks the same buckets at the end of its program.
 
 The assumptions, returned with every prediction: changes spread evenly over buckets, the
 codec's cost linear in bucket bytes at the constants' rates, sources in the wire dtype.

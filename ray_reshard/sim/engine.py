@@ -693,8 +693,10 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, base
     bs, sc, rc = base.tolist(), send_copy.tolist(), recv_copy.tolist()
     over_link = cluster.pack_over_link
     # A delta refit (sim.delta): a receiver posts a group's payloads once its headers arrived
-    # (one latency after its senders posted), and then applies what earlier groups brought.
+    # (one latency after its senders posted), and then applies what earlier groups brought;
+    # it checks the buckets that did not change at the end of its program (`later`).
     delta = msgs.encode_bytes is not None
+    later = [0.0] * world
     recv_seq = [-1] * len(rnd)
     arrived = [0.0] * world                       # ring buckets taken as ready: last unpacked
     rings_in_order = ring_recv == "in_order"
@@ -809,7 +811,10 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, base
             deferred[p] = keep
         block(p, end)
         for m in received:
-            work(p, bs[m], rc[m])
+            if delta and nbytes[m] == 0:        # a same bucket: checked at the end
+                later[p] += bs[m] + rc[m]
+            else:
+                work(p, bs[m], rc[m])
         used_buf[p] -= buf
         used_msg[p] -= n
         seq_done[p] = seq
@@ -946,6 +951,8 @@ def _replay_processes(msgs: Messages, cluster: Cluster, W: int, world: int, base
         end_run(p)
         while inflight[p]:
             pop(p)
+        if later[p]:
+            work(p, 0.0, later[p])
     return np.maximum(np.maximum(np.array(cpu), np.array(gpu)), np.array(arrived)), rows
 
 
