@@ -386,10 +386,12 @@ class NetnsCluster:
         return self
 
     def _claim(self) -> None:
+        """Record this process as the box's owner, before anything of the box exists (so a
+        concurrent `clean_leftovers` never takes a box being built for a dead one's)."""
         os.makedirs(STATE_DIR, exist_ok=True)
-        os.makedirs(self.spec.tmp, exist_ok=True)
         with open(os.path.join(STATE_DIR, self.spec.box_id), "w") as f:
             json.dump({"owner": os.getpid(), "owner_start": _start_time(os.getpid())}, f)
+        os.makedirs(self.spec.tmp, exist_ok=True)
 
     def _network(self) -> None:
         s = self.spec
