@@ -389,7 +389,18 @@ class NetnsCluster:
         """Record this process as the box's owner, before anything of the box exists (so a
         concurrent `clean_leftovers` never takes a box being built for a dead one's)."""
         os.makedirs(STATE_DIR, exist_ok=True)
-        with open(os.path.join(STATE_DIR, self.spec.box_id), "w") as f:
+        taken = _boxes_present()
+        while True:              # an id no other box has, claimed atomically
+            if self.spec.box_id not in taken:
+                try:
+                    fd = os.open(os.path.join(STATE_DIR, self.spec.box_id),
+                                 os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                    break
+                except FileExistsError:
+                    pass
+            self.spec = _spec(secrets.token_hex(2), self.nodes, self.spec.rate, self.spec.mtu)
+            self.links = Links(self.spec)
+        with os.fdopen(fd, "w") as f:
             json.dump({"owner": os.getpid(), "owner_start": _start_time(os.getpid())}, f)
         os.makedirs(self.spec.tmp, exist_ok=True)
 
