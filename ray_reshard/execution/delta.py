@@ -22,9 +22,10 @@ unsigned integers, modulo 2**64 (as a signed int64).
 Three codecs keep this contract: `HostCodec` (one pass per end, see `delta_host`), on rows of
 host memory (a part's contiguous regions, no packing) or a packed bucket; `delta_cuda.CudaCodec`,
 one kernel launch per bucket and pass on CUDA; and `TorchCodec`, a few torch ops over a packed
-bucket on any device (where neither kernel can run, and the reference both are tested against). A host bucket whose first eighth (or first `MOSTLY_AFTER_CHUNKS` chunks of
-`CHUNK` granules, if fewer) changed in more than `MOSTLY_CHANGED` of its granules travels DENSE
-without comparing the rest (`probe`). `encoded_bytes` is the size model the plan report and the
+bucket on any device (where neither kernel can run, and the reference both are tested
+against). A host bucket whose first eighth (or first `MOSTLY_AFTER_CHUNKS` chunks of `CHUNK`
+granules, if fewer) changed in more than `MOSTLY_CHANGED` of its granules travels DENSE without
+comparing the rest (`probe`). `encoded_bytes` is the size model the plan report and the
 simulator use.
 """
 from __future__ import annotations

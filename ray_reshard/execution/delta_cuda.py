@@ -149,7 +149,8 @@ __device__ void apply_mask(T* dst, const unsigned char* payload, long long n, lo
         if (k == GPT) {
             m = *(const u32*) (payload + g0 / 8);
         } else {
-            for (int byte = 0; byte * 8 < k; byte++) m |= (u32) payload[g0 / 8 + byte] << (8 * byte);
+            for (int byte = 0; byte * 8 < k; byte++)
+                m |= (u32) payload[g0 / 8 + byte] << (8 * byte);
             m &= (1u << k) - 1;
         }
     }

@@ -46,7 +46,8 @@ template <> struct Lanes<uint8_t> {
 template <> struct Lanes<uint16_t> {
     static inline uint64_t neq(const uint16_t* a, const uint16_t* b) {
         uint64_t lo = _mm512_cmpneq_epi16_mask(_mm512_loadu_si512(a), _mm512_loadu_si512(b));
-        uint64_t hi = _mm512_cmpneq_epi16_mask(_mm512_loadu_si512(a + 32), _mm512_loadu_si512(b + 32));
+        uint64_t hi = _mm512_cmpneq_epi16_mask(_mm512_loadu_si512(a + 32),
+                                               _mm512_loadu_si512(b + 32));
         return lo | (hi << 32); } };
 template <> struct Lanes<uint32_t> {
     static inline uint64_t neq(const uint32_t* a, const uint32_t* b) {
@@ -138,15 +139,18 @@ template <typename T> struct Summer {
             if (++n == 4096) flush();
         } else if (sizeof(T) == 4) {
             for (int q = 0; q < 4; q++) {
-                acc = _mm512_add_epi64(acc, _mm512_cvtepu32_epi64(_mm512_castsi512_si256(v[q])));
-                acc = _mm512_add_epi64(acc, _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(v[q], 1)));
+                const __m512i x = v[q];
+                acc = _mm512_add_epi64(acc, _mm512_cvtepu32_epi64(_mm512_castsi512_si256(x)));
+                acc = _mm512_add_epi64(acc,
+                                       _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(x, 1)));
             }
         } else {
             for (int q = 0; q < 8; q++) acc = _mm512_add_epi64(acc, v[q]);
         } }
     inline void add64(const T* a) {
         __m512i v[sizeof(T)];
-        for (unsigned q = 0; q < sizeof(T); q++) v[q] = _mm512_loadu_si512(a + q * (64 / sizeof(T)));
+        for (unsigned q = 0; q < sizeof(T); q++)
+            v[q] = _mm512_loadu_si512(a + q * (64 / sizeof(T)));
         addv(v); }
     inline uint64_t total() { flush(); return (uint64_t)_mm512_reduce_add_epi64(acc); }
 };
@@ -424,7 +428,8 @@ static int64_t apply_mask(const int64_t* rows, int64_t n_rows, const uint8_t* pa
         for (; i + 64 <= len; i += 64) place64(dst + i, br.get(64), vals, c, n_vals, sum);
         if (i < len) {
             const int k = (int)(len - i);
-            for (uint64_t mm = br.get(k); mm; mm &= mm - 1) dst[i + __builtin_ctzll(mm)] = vals[c++];
+            for (uint64_t mm = br.get(k); mm; mm &= mm - 1)
+                dst[i + __builtin_ctzll(mm)] = vals[c++];
             check += sum_tail(dst + i, k);
         }
     }
@@ -461,8 +466,11 @@ static int64_t apply_index(const int64_t* rows, int64_t n_rows, const uint8_t* p
 }
 
 #define RR_BY_GRANULE(g, call) \
-    switch (g) { case 1: { typedef uint8_t T; return call; } case 2: { typedef uint16_t T; return call; } \
-                 case 4: { typedef uint32_t T; return call; } case 8: { typedef uint64_t T; return call; } }
+    switch (g) { \
+        case 1: { typedef uint8_t T; return call; } \
+        case 2: { typedef uint16_t T; return call; } \
+        case 4: { typedef uint32_t T; return call; } \
+        case 8: { typedef uint64_t T; return call; } }
 
 extern "C" {
 
