@@ -29,7 +29,8 @@ from ray_reshard.cli_args import (DEEPSEEK_V3, QWEN3_235B, even_out_stages, mode
 from ray_reshard.planning.plan import Plan, gc_paused
 from ray_reshard.planning.planner import Endpoint
 from ray_reshard.execution.program import SEND, compile_program
-from ray_reshard.layout.quant import reference_quantize, scale_view
+from ray_reshard.execution.fp8 import reference_quantize
+from ray_reshard.layout.quant import scale_view
 from ray_reshard.models import (VLLM, Megatron, Recipe, empty_storage, hf_parameter_shapes,
                                 local_state)
 from ray_reshard.execution.reference import simulate_refit

@@ -38,7 +38,7 @@ from typing import Any, Iterable, Optional, Sequence
 import numpy as np
 import torch
 
-from ..layout import quant as _quant
+from . import fp8 as _fp8
 from . import host_copy
 from . import regions as _regions
 from ..planning.plan import Plan, Transfer, build_share, gc_paused, parent_key, run_order
@@ -87,7 +87,7 @@ class Part:
         self.offsets = offsets        # per item: byte offset in the bucket
         self.item_bytes = item_bytes
         self.nbytes = nbytes
-        self.quant = quant            # None, or per item: a quant.QuantItem or None
+        self.quant = quant            # None, or per item: an fp8.QuantItem or None
         self._scales = None           # per quantised item holding scales: their region (bound)
         self._regions = None          # per item: region view in the local shard (bound)
         self._runs = None             # merged copy runs (see bind)
@@ -272,7 +272,7 @@ class Part:
     def pack_item(self, i: int, buf: torch.Tensor) -> None:
         qi = self.quant[i] if self.quant else None
         if _blocks(qi):
-            _quant.pack(qi, self._regions[i], self._scales[i], buf)
+            _fp8.pack(qi, self._regions[i], self._scales[i], buf)
         elif qi is UNALIGNED:
             buf[:self.item_bytes[i]].copy_(
                 self._regions[i].to(self.wire[i]).contiguous().reshape(-1).view(torch.uint8))
@@ -282,7 +282,7 @@ class Part:
     def unpack_item(self, i: int, buf: torch.Tensor) -> None:
         qi = self.quant[i] if self.quant else None
         if _blocks(qi):
-            _quant.unpack(qi, self._regions[i], self._scales[i], buf)
+            _fp8.unpack(qi, self._regions[i], self._scales[i], buf)
             return
         if qi is UNALIGNED:
             buf = buf[:self.item_bytes[i]].clone()
@@ -335,7 +335,7 @@ class Part:
             return
         for i, qi in enumerate(self.quant):
             if _blocks(qi):
-                _quant.copy(other.quant[i], other._regions[i], other._scales[i],
+                _fp8.copy(other.quant[i], other._regions[i], other._scales[i],
                             self._regions[i], self._scales[i])
             elif qi is not None and qi is not UNALIGNED:
                 qi.finisher.add(self.numels[i])
@@ -347,7 +347,7 @@ UNALIGNED = "unaligned"
 
 def _blocks(qi) -> bool:
     """An item of whole FP8 blocks (quantised by its sender), not plain or widened elements."""
-    return type(qi) is _quant.QuantItem
+    return type(qi) is _fp8.QuantItem
 
 
 @dataclass
@@ -364,7 +364,7 @@ class Step:
     send: Optional[Part] = None   # the packing side (SEND, COPY)
     recv: Optional[Part] = None   # the unpacking side (RECV, COPY)
     # Whether a receiver's packed regions are the bytes it received (no item lands in a
-    # buffer quantised later, see quant.Finisher): a delta refit may send it as a delta.
+    # buffer quantised later, see fp8.Finisher): a delta refit may send it as a delta.
     delta_ok: bool = True
 
 
@@ -380,7 +380,7 @@ class Program:
     _sigs: Optional[list] = None
     _users: Optional[list] = None  # per held index: the parts reading or writing that shard
     _token: Any = None             # the caller's name for the views bound last (see bind)
-    finishers: list = field(default_factory=list)   # see quant.Finisher
+    finishers: list = field(default_factory=list)   # see fp8.Finisher
     _orders: dict = field(default_factory=dict)      # span -> steps in `run_order`
     round_len: int = 0            # positions in a round of the schedule (see plan.group_span)
 
@@ -502,7 +502,7 @@ def _part(plan: Plan, t: Transfer, side: str, rank: int, held_index: dict, held:
             held.append(k)
             ctx = None
             if spec.quant is not None:
-                ctx = _quant.ItemContext(spec, side, rank, ti)
+                ctx = _fp8.ItemContext(spec, side, rank, ti)
                 if ctx.scale_key is not None:
                     held_index[ctx.scale_key] = ctx.scale_held = len(held)
                     held.append(ctx.scale_key)
@@ -580,13 +580,13 @@ def _compile(plan, mine, bucket_bytes, proc_of, transfers, per_item_bytes) -> Pr
     # (side, rank) -> ({tensor: (held index, shard origin, dtype, itemsize, quant context)},
     #                  {(layout id, shape): shard origin})
     info: dict = {}
-    finishers: list = []         # block-FP8 shards quantised here once received (quant.Finisher)
+    finishers: list = []         # block-FP8 shards quantised here once received (fp8.Finisher)
     geometry: dict = {}          # see _part
     steps = []
     ring: dict = {}
-    # Tensors whose destinations quantise what they receive (see quant.Finisher).
+    # Tensors whose destinations quantise what they receive (see fp8.Finisher).
     widened = {i for i, spec in enumerate(plan.specs)
-               if spec.quant is not None and not _quant.on_grid(spec)}
+               if spec.quant is not None and not spec.on_block_grid}
     for t in transfers:
         dst_ep = Endpoint("dst", t.dst)
         here_send, here_recv = t.src in mine, dst_ep in mine

@@ -9,4 +9,5 @@ from .placement import Placement, Replicate, Shard, as_placement
 from .quant import BlockFP8
 from .replica import replica_specs
 from .slicing import assemble, shard_tensor
-from .spec import Slot, Slots, TensorSpec
+from .slots import Slot, Slots
+from .spec import TensorSpec

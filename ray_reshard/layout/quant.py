@@ -1,48 +1,8 @@
-"""Block-FP8 quantisation on the sender (DeepSeek-style `float8_e4m3fn` weights, one float32
-scale per block).
-
-A TensorSpec with `quant=BlockFP8(block=(128, 128))` and `dtype=torch.float8_e4m3fn` asks for
-the destination to hold the tensor as FP8 plus a float32 scale tensor of shape
-`[..., ceil(N/bn), ceil(K/bk)]` (`scale_shape`), kept next to the weight's storage under the
-name `<storage><scale_suffix>` ("weight" -> "weight_scale_inv", "w13_weight" ->
-"w13_weight_scale_inv", as vLLM's FP8 linear and MoE methods name them), in the same slot with
-the offset counted in blocks (vLLM's `adjust_block_scale_shard`). Each block is quantised as
-vLLM quantises one (`per_block_cast_to_fp8` in vllm/utils/deep_gemm.py, vLLM 0.33), bit for bit:
-
-    amax = x.abs().amax().clamp(min=1e-4); scale = amax / 448.0
-    q = (x * (1.0 / scale)).to(torch.float8_e4m3fn); scale_inv = scale      (all in float32)
-
-(a multiplication by the float32 reciprocal, not a division: the two round differently in
-about 0.03% of elements). A block cut short by the tensor's edge is quantised as if padded
-with zeros, which leave its amax unchanged.
-
-Block-aligned sources (the common case). When every source rank's and every destination
-rank's shard is a union of whole blocks (a shard may end at the tensor's edge with a short
-block), the tensor is planned on its *block grid*: one planning element per block, of
-`prod(block) + 4` bytes (the FP8 block, its float32 scale). Every cut the planner and the
-bucket packer make is then a whole block, so the one source that sends a block quantises it
-(exactly one sender per block and destination domain), and the block crosses the network once
-per destination domain as FP8 bytes plus its scale. Plan statistics and the lower bound count
-those bytes. An item's wire bytes are its blocks' scales (float32) followed by its FP8 elements
-in row-major order; blocks cut short by the tensor's edge leave the rest of their
-`prod(block)` bytes unused, so an item's size is its block count times `prod(block) + 4`.
-
-Sources that cut a block (e.g. an uneven or fine Megatron TP split: no single source holds the
-whole block). Such a tensor is planned element by element in the source dtype (its bytes cross
-the network unquantised, once per destination domain, as any tensor), and each destination
-rank quantises its own shard once the last piece of it arrived (`Finisher`: the receiving
-parts write into a buffer of the shard in the source dtype, kept across refits, then the shard
-is quantised into the FP8 storage and its scales). Destination shards must be whole blocks in
-every case, as vLLM requires of its FP8 layers (`validate_fp8_block_shape`).
-
-Local views. A compiled program (program.py) holds, besides `(side, rank, tensor)` shards, the
-keys `("dst", rank, tensor, SCALE)` (a destination's scales: the runtime and the simulator look
-them up with `scale_view`) and `("dst", rank, tensor, WIDE)` (a `Finisher`'s buffer, made by
-the program itself).
-"""
+"""Block FP8 as a destination keeps it (DeepSeek-style `float8_e4m3fn` weights, one float32
+scale per block): the format, its block grid and how a quantised tensor is planned. The
+arithmetic is `ray_reshard.execution.fp8`; the design is in docs/engines.md (FP8 refits)."""
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -53,12 +13,14 @@ import torch
 from .box import Box
 from .layout import Layout, LayoutUnion
 from .placement import Shard
+from .slots import Slot
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 AMAX_MIN = 1e-4
 SCALE_BYTES = 4
 SCALE = "scale"               # the 4th field of a held key ("dst", rank, tensor, SCALE)
+WIDE = "wide"                 # the 4th field of the held key of a fallback shard's float buffer
 
 
 @dataclass(frozen=True)
@@ -100,7 +62,6 @@ class BlockFP8:
     def scale_slot(self, slot, ndim: int):
         """The Slot of a shard's scales, given the Slot of its weights in a tensor of `ndim`
         dims (the offset in whole blocks)."""
-        from .spec import Slot
         if slot.dim is None:
             return Slot(self.scale_storage(slot.storage), slot.index)
         return Slot(self.scale_storage(slot.storage), slot.index, slot.dim,
@@ -174,12 +135,12 @@ def block_layout(layout: Layout, shape: tuple, block: tuple) -> Optional[Layout]
 
 def on_grid(spec) -> bool:
     """Whether a quantised spec is planned on its block grid (sources hold whole blocks)."""
-    got = spec.__dict__.get("_q_grid")
-    if got is None:
-        block = spec.quant.full_block(len(spec.shape))
-        got = block_layout(spec.src, spec.shape, block) is not None
-        object.__setattr__(spec, "_q_grid", got)
-    return got
+    return spec.on_block_grid
+
+
+def sources_hold_whole_blocks(spec) -> bool:
+    """`on_grid`, computed (TensorSpec.on_block_grid keeps it)."""
+    return block_layout(spec.src, spec.shape, spec.quant.full_block(len(spec.shape))) is not None
 
 
 def signature(spec) -> tuple:
@@ -262,77 +223,6 @@ def validate_slots(spec, name: str) -> None:
                 f"{block[slot.dim]}: its scales would not start at a whole block")
 
 
-# ---------------------------------------------------------------------------- the arithmetic
-def reference_quantize(x: torch.Tensor, block: Sequence[int] = (128, 128)
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference, one block at a time over the last two dims: (FP8 tensor, float32 scales
-    of shape scale_shape). Slow; for tests and benchmarks."""
-    x = x.to(torch.float32)
-    bn, bk = block
-    q = torch.empty(x.shape, dtype=FP8)
-    scales = torch.empty(x.shape[:-2] + grid_shape(x.shape[-2:], block), dtype=torch.float32)
-    lead = x.reshape(-1, *x.shape[-2:])
-    ql = q.view(-1, *x.shape[-2:])
-    sl = scales.view(-1, *scales.shape[-2:])
-    for t in range(lead.shape[0]):
-        for i in range(sl.shape[1]):
-            for j in range(sl.shape[2]):
-                blk = lead[t, i * bn:(i + 1) * bn, j * bk:(j + 1) * bk]
-                amax = blk.abs().amax().clamp(min=AMAX_MIN)
-                scale = amax / FP8_MAX
-                ql[t, i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = (blk * (1.0 / scale)).to(FP8)
-                sl[t, i, j] = scale
-    return q, scales
-
-
-# Elements quantised per pass on CPU: a float32 slab of this size stays in cache (large tensors
-# quantised in one pass ran 3x slower). Devices quantise a region in one pass.
-SLAB = 1 << 20
-
-
-def quantize(x: torch.Tensor, block: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantise a region of whole blocks (the last ones may be short at the tensor's edge):
-    (FP8 tensor of x's shape, float32 scales of shape grid_shape(x.shape, block)). `block`
-    covers every dim of x (leading dims: 1). Bit-exact with `reference_quantize`."""
-    shape = tuple(x.shape)
-    grid = grid_shape(shape, block)
-    bn, bk = block[-2:]
-    rows, cols = shape[-2:]
-    step = max(1, SLAB // max(1, bn * cols)) * bn            # whole block rows per slab
-    if x.device.type != "cpu":
-        step = max(rows, 1)
-    if len(shape) == 2 and rows <= step:
-        return _quantize2d(x, bn, bk)
-    q = torch.empty(shape, dtype=FP8, device=x.device)
-    scales = torch.empty(grid, dtype=torch.float32, device=x.device)
-    for lead in itertools.product(*(range(n) for n in shape[:-2])):
-        xs, qs, ss = x[lead], q[lead], scales[lead]
-        for r in range(0, rows, step):
-            a, b = _quantize2d(xs[r:r + step], bn, bk)
-            qs[r:r + step] = a
-            ss[r // bn:(r + step) // bn] = b
-    return q, scales
-
-
-def _quantize2d(x: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, cols = x.shape
-    gr, gc = -(-rows // bn), -(-cols // bk)
-    if (gr * bn, gc * bk) == (rows, cols):
-        xf = torch.empty(rows, cols, dtype=torch.float32, device=x.device).copy_(x)
-    else:                            # zeros leave every block's amax unchanged
-        xf = torch.zeros(gr * bn, gc * bk, dtype=torch.float32, device=x.device)
-        xf[:rows, :cols] = x
-    xb = xf.view(gr, bn, gc, bk)
-    # max |x| = max(max x, -min x): no |x| tensor
-    amax = torch.maximum(xb.amax(dim=(1, 3), keepdim=True),
-                         xb.amin(dim=(1, 3), keepdim=True).neg_())
-    scale = amax.clamp_(min=AMAX_MIN).div_(FP8_MAX)
-    q = xb.mul_(torch.reciprocal(scale)).to(FP8).view(gr * bn, gc * bk)
-    if (gr * bn, gc * bk) != (rows, cols):
-        q = q[:rows, :cols]
-    return q, scale.view(gr, gc)
-
-
 # ---------------------------------------------------------------------------- destination views
 def scale_view(spec, name: str, rank: int, storage, device_type: Optional[str] = None
                ) -> tuple[Optional[torch.Tensor], str]:
@@ -366,122 +256,17 @@ def scale_view(spec, name: str, rank: int, storage, device_type: Optional[str] =
     return view, ""
 
 
-# ---------------------------------------------------------------------------- compiled items
-@dataclass(frozen=True)
-class QuantItem:
-    """One item of blocks as one process packs or unpacks it."""
-
-    quantise: bool                # this end holds source-dtype elements and quantises them
-    block: tuple                  # the block over every dim of the tensor
-    grid: tuple                   # the item's size in blocks
-    shape: tuple                  # its size in elements
-    scale_held: int               # held index of the scales (-1: none, a quantising sender)
-    scale_slices: tuple           # the item's scales inside the shard's scales
 
 
-class ItemContext:
-    """What compiling one process's items of one quantised tensor needs (program.py)."""
-
-    def __init__(self, spec, side: str, rank: int, tensor: int):
-        self.spec, self.side, self.rank = spec, side, rank
-        self.block = spec.quant.full_block(len(spec.shape))
-        self.grid = on_grid(spec)
-        self.box = spec.layout(side).box(rank, spec.shape)
-        self.quantise = side == "src"
-        # the held key of the destination's scales; the caller sets their held index
-        self.scale_key = (side, rank, tensor, SCALE) if self.grid and side == "dst" else None
-        self.scale_held = -1
-        self.wire_dtype = FP8 if self.grid else spec.source_dtype
-        self.block_origin = block_box(self.box, self.block, spec.shape).offsets if self.grid \
-            else None
-
-        # a destination shard of a tensor whose sources cut blocks: see Finisher
-        self.finisher = Finisher(spec, rank, tensor) if not self.grid and side == "dst" \
-            else None
-
-    def item(self, box: Box):
-        """(the QuantItem, Widen or None, its element box) of an item's box (blocks on the
-        grid)."""
-        if not self.grid:
-            return (None if self.finisher is None else Widen(self.finisher)), box
-        ebox = element_box(box, self.block, self.spec.shape)
-        slices = tuple(slice(a - o, a - o + n)
-                       for a, o, n in zip(box.offsets, self.block_origin, box.sizes))
-        return QuantItem(self.quantise, self.block, box.sizes, ebox.sizes, self.scale_held,
-                         slices), ebox
+_MOVED = ("reference_quantize", "quantize")
 
 
-def _item_bytes(qi: QuantItem) -> tuple[int, int]:
-    return math.prod(qi.grid) * SCALE_BYTES, math.prod(qi.shape)
+def __getattr__(name):       # the arithmetic moved to ray_reshard.execution.fp8 (0.1)
+    if name in _MOVED:
+        import warnings
 
-
-def pack(qi: QuantItem, region: torch.Tensor, scales: Optional[torch.Tensor],
-         buf: torch.Tensor) -> None:
-    """Write an item's wire bytes into `buf` (uint8): its scales, then its FP8 elements."""
-    sb, n = _item_bytes(qi)
-    if qi.quantise:
-        region, scales = quantize(region, qi.block)
-    buf[:sb].view(torch.float32).view(qi.grid).copy_(scales)
-    buf[sb:sb + n].view(FP8).view(qi.shape).copy_(region)
-
-
-def unpack(qi: QuantItem, region: torch.Tensor, scales: torch.Tensor, buf: torch.Tensor) -> None:
-    sb, n = _item_bytes(qi)
-    scales.copy_(buf[:sb].view(torch.float32).view(qi.grid))
-    region.copy_(buf[sb:sb + n].view(FP8).view(qi.shape))
-
-
-def copy(src: QuantItem, src_region: torch.Tensor, src_scales: Optional[torch.Tensor],
-         region: torch.Tensor, scales: torch.Tensor) -> None:
-    """A local copy of an item (the sender's end `src` quantising when it holds the source)."""
-    if src.quantise:
-        src_region, src_scales = quantize(src_region, src.block)
-    region.copy_(src_region)
-    scales.copy_(src_scales)
-
-
-# ---------------------------------------------------------------------------- fallback
-WIDE = "wide"                 # 4th field of the held key of a fallback shard's float buffer
-
-
-class Finisher:
-    """A destination shard of a tensor whose sources cut blocks: its pieces arrive in the source
-    dtype into a buffer of the shard (kept across refits); once all its elements arrived this
-    refit, the shard is quantised into the FP8 storage and its scales."""
-
-    def __init__(self, spec, rank: int, tensor: int):
-        self.block = spec.quant.full_block(len(spec.shape))
-        self.dtype = spec.source_dtype
-        self.total = spec.dst.box(rank, spec.shape).numel
-        self.keys = (("dst", rank, tensor), ("dst", rank, tensor, SCALE),
-                     ("dst", rank, tensor, WIDE))
-        self.held = [-1, -1, -1]      # held indices of the keys (set by the compiler)
-        self.buffer = None
-        self.views = None
-        self.received = 0
-
-    def bind(self, views: list) -> None:
-        """Put the buffer at its held index of `views` (indexed like Program.held); start a
-        refit's count."""
-        weights = views[self.held[0]]
-        buf = self.buffer
-        if buf is None or buf.shape != weights.shape or buf.device != weights.device:
-            buf = self.buffer = torch.empty(weights.shape, dtype=self.dtype,
-                                            device=weights.device)
-        views[self.held[2]] = buf
-        self.views = (weights, views[self.held[1]])
-        self.received = 0
-
-    def add(self, n: int) -> None:
-        self.received += n
-        if self.received == self.total:
-            q, s = quantize(self.buffer, self.block)
-            self.views[0].copy_(q)
-            self.views[1].copy_(s)
-
-
-@dataclass(frozen=True)
-class Widen:
-    """Marks an item received into a fallback shard's buffer (see Finisher)."""
-
-    finisher: Finisher
+        from ..execution import fp8
+        warnings.warn(f"ray_reshard.layout.quant.{name} moved to "
+                      f"ray_reshard.execution.fp8.{name}", DeprecationWarning, stacklevel=2)
+        return getattr(fp8, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -26,13 +26,10 @@ the trainer's tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
-
 import numpy as np
 import torch
 
-from ..layout.placement import Replicate, Shard
-from ..layout.spec import Slot
+from ..layout.slots import Slot
 from .config import ModelDims
 from .pieces import Piece, enumerate_pieces, is_mtp, resolve_hf_experts
 from .registry import Engine, register_engine

@@ -38,7 +38,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..layout.placement import Replicate, Shard
-from ..layout.spec import Slot
+from ..layout.slots import Slot
 from .config import ModelDims
 from .pieces import Piece, is_mtp
 from .registry import Engine, register_engine

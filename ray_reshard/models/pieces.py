@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ..layout.spec import Slot
+from ..layout.slots import Slot
 from .config import ModelDims
 
 

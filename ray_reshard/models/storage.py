@@ -21,7 +21,7 @@ import numpy as np
 from ..layout.layout import Layout
 from ..layout.mesh import Mesh
 from ..layout.placement import Replicate, Shard
-from ..layout.spec import Slot, Slots
+from ..layout.slots import Slot, Slots
 from .config import ModelDims
 from .pieces import Piece
 

@@ -54,7 +54,7 @@ import numpy as np
 
 from ..layout.placement import Replicate, Shard
 from ..layout.quant import BlockFP8
-from ..layout.spec import Slot
+from ..layout.slots import Slot
 from .config import ModelDims
 from .pieces import Piece, is_mtp
 from .registry import Engine, register_engine

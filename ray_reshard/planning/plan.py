@@ -17,7 +17,8 @@ import numpy as np
 from ..layout.box import Box
 from .planner import (DOMAIN, LOCAL, NETWORK, Endpoint, Move, PlanError, TensorPlan, Topology,
                       plan_tensor)
-from ..layout.spec import TensorSpec, pack_slot_tables, unpack_slot_tables
+from ..layout.slots import pack_slot_tables, unpack_slot_tables
+from ..layout.spec import TensorSpec
 
 DEFAULT_BUCKET_BYTES = 32 << 20
 

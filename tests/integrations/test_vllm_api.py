@@ -296,7 +296,7 @@ def test_block_fp8_workers_take_fp8_weights_and_scales_as_the_checkpoint_holds_t
     quantised by the senders plus its `_scale_inv`, and those staging tensors equal the
     reference quantisation of the HF tensors (run in one process, the runtime's programs)."""
     import ray_reshard as rr
-    from ray_reshard.layout.quant import reference_quantize
+    from ray_reshard.execution.fp8 import reference_quantize
     from ray_reshard.integrations.vllm import FULL, plan_specs
     from ray_reshard.models import storage_shapes
     from ray_reshard.execution.reference import simulate_refit

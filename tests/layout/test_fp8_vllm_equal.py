@@ -11,7 +11,8 @@ import torch
 
 import ray_reshard as rr
 from ray_reshard.execution.reference import simulate_refit
-from ray_reshard.layout.quant import BlockFP8, quantize, reference_quantize
+from ray_reshard.execution.fp8 import quantize, reference_quantize
+from ray_reshard.layout.quant import BlockFP8
 
 FP8 = torch.float8_e4m3fn
 

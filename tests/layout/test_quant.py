@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import ray_reshard as rr
-from ray_reshard.layout.quant import BlockFP8, quantize, reference_quantize
+from ray_reshard.execution.fp8 import quantize, reference_quantize
+from ray_reshard.layout.quant import BlockFP8
 from ray_reshard.execution.reference import simulate_refit
 
 FP8 = torch.float8_e4m3fn
@@ -73,8 +74,8 @@ def test_quantize_matches_reference(shape, block, dtype):
 
 
 def test_quantize_in_slabs_and_of_strided_regions(monkeypatch):
-    from ray_reshard.layout import quant
-    monkeypatch.setattr(quant, "SLAB", 3000)            # a few block rows per pass
+    from ray_reshard.execution import fp8
+    monkeypatch.setattr(fp8, "SLAB", 3000)              # a few block rows per pass
     x = _full((4, 100, 72))
     rq, rs = reference_quantize(x, (16, 8))
     q, s = quantize(x, (1, 16, 8))

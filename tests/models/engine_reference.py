@@ -434,7 +434,7 @@ def _quantised(sd, block):
     """(FP8 bytes as uint8, float32 scales) of every HF tensor vLLM FP8 quantises, each in
     blocks of `block` over its last two dims; fused experts per half, as the checkpoint's
     separate gate and up tensors."""
-    from ray_reshard.layout.quant import reference_quantize
+    from ray_reshard.execution.fp8 import reference_quantize
 
     def q(t):
         w, s = reference_quantize(t.float(), block)

@@ -8,7 +8,8 @@ import ray
 import torch
 
 import ray_reshard as rr
-from ray_reshard.layout.quant import BlockFP8, reference_quantize, scale_view
+from ray_reshard.execution.fp8 import reference_quantize
+from ray_reshard.layout.quant import BlockFP8, scale_view
 from ray_reshard.models import Megatron, VLLM, Recipe, empty_storage, local_state, refit_specs
 from ray_reshard.execution.program import PER_ITEM_MIN_BYTES
 from ray_reshard.execution.reference import simulate_refit

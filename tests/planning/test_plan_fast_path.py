@@ -136,7 +136,7 @@ def test_shared_path_equals_straightforward_plan(case):
 
 def test_slot_tables_are_compact_and_behave_as_pairs():
     from ray_reshard.layout import Slots
-    from ray_reshard.layout.spec import pack_slot_tables, unpack_slot_tables
+    from ray_reshard.layout.slots import pack_slot_tables, unpack_slot_tables
 
     same = Slot("w", (3,), dim=0, offset=8)
     a = Slots.same((0, 2, 5), same)
