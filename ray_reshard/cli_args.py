@@ -297,7 +297,7 @@ class Refit:
 
     def plan(self):
         from .planning.plan import plan
-        from .planning.plan import gc_paused
+        from ._gc import gc_paused
 
         with gc_paused():
             return plan(self.specs, self.src_domains, self.dst_domains)

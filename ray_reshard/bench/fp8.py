@@ -26,7 +26,8 @@ import torch
 import ray_reshard as rr
 from ray_reshard.cli_args import (DEEPSEEK_V3, QWEN3_235B, even_out_stages, models_list_arg,
                                   positive_int)
-from ray_reshard.planning.plan import Plan, gc_paused
+from ray_reshard._gc import gc_paused
+from ray_reshard.planning.plan import Plan
 from ray_reshard.planning.planner import Endpoint
 from ray_reshard.execution.program import SEND, compile_program
 from ray_reshard.execution.fp8 import reference_quantize

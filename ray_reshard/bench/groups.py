@@ -25,7 +25,7 @@ from ray_reshard.cli_args import Parser
 def plan_rows(model: str) -> list[dict]:
     import ray_reshard as rr
     from ray_reshard.cli_args import MODELS, even_out_stages
-    from ray_reshard.planning.plan import gc_paused
+    from ray_reshard._gc import gc_paused
     from ray_reshard.models import Megatron, VLLM, Recipe
     from ray_reshard.sim import preset, simulate
 

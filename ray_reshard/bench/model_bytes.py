@@ -17,7 +17,7 @@ import torch
 from ..cli_args import MODELS, Parser, models_list_arg, positive_int
 from ..planning.plan import plan as make_plan
 from ..models import VLLM, Megatron, Recipe, hf_parameter_shapes
-from ..planning.plan import gc_paused
+from .._gc import gc_paused
 
 # name -> (title, config, [(train, infer), ...]); the first layout of each is the usual one.
 # Megatron needs the first/last stage sizes when the layers do not divide over the stages.

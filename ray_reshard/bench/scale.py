@@ -46,7 +46,8 @@ from typing import Optional
 
 import torch
 
-from ..planning.plan import Plan, build_share, gc_paused, plan as make_plan
+from .._gc import gc_paused
+from ..planning.plan import Plan, build_share, plan as make_plan
 from ..planning.planner import Endpoint
 from ..execution import regions
 from ..execution.program import Part, Program, Step, compile_program, per_item_min_bytes

@@ -41,7 +41,8 @@ import torch
 from . import fp8 as _fp8
 from . import host_copy
 from . import regions as _regions
-from ..planning.plan import Plan, Transfer, build_share, gc_paused, parent_key, run_order
+from .._gc import gc_paused
+from ..planning.plan import Plan, Transfer, build_share, parent_key, run_order
 from ..planning.planner import NETWORK, Endpoint
 
 SEND, RECV, COPY = "send", "recv", "copy"

@@ -6,7 +6,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
-from ..planning.plan import gc_paused
+from .._gc import gc_paused
 from ..layout.quant import FP8
 from ..layout.slicing import assemble as _assemble
 from ..layout.spec import TensorSpec

@@ -1,10 +1,8 @@
 """The Plan: every tensor's moves, the statistics, and the per-rank schedule of buckets."""
 from __future__ import annotations
 
-import gc
 import time
 from collections import defaultdict
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from bisect import bisect_left, bisect_right
@@ -14,6 +12,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
+from .._gc import gc_paused
 from ..layout.box import Box
 from .planner import (DOMAIN, LOCAL, NETWORK, Endpoint, Move, PlanError, TensorPlan, Topology,
                       plan_tensor)
@@ -953,28 +952,6 @@ DEADLINE_EVERY = 256
 def check_deadline(deadline: float, what: str) -> None:
     if time.monotonic() > deadline:
         raise PlanTimeout(f"the refit's deadline passed during {what}")
-
-
-@contextmanager
-def gc_paused(keep: bool = False):
-    """Pause the cyclic garbage collector: building or pickling a plan allocates hundreds of
-    thousands of acyclic objects, which collections would rescan again and again.
-
-    With `keep` (what was built is long-lived: a plan, a compiled program), the objects still
-    alive at the end go straight to the collector's oldest generation instead of being scanned
-    by the young generations' next passes first (not while the process has frozen objects of
-    its own: `gc.freeze` is then the owner's).
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            if keep and gc.get_freeze_count() == 0:
-                gc.freeze()
-                gc.unfreeze()
-            gc.enable()
 
 
 def _side_size(side, specs, domains, devices, n) -> int:

@@ -13,8 +13,9 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
+from .._gc import gc_paused
 from ..planning.plan import (DEFAULT_BUCKET_BYTES, DEFAULT_STAGING_BYTES, MAX_WINDOW, Plan,
-                             PlanStats, PlanTimeout, check_spec_set, default_window, gc_paused,
+                             PlanStats, PlanTimeout, check_spec_set, default_window,
                              plan as make_plan)
 from ..planning.planner import Endpoint
 from ..layout.spec import TensorSpec

@@ -16,7 +16,8 @@ import torch
 
 from ..layout import quant
 from ..execution.overlap import overlapping_pairs, overlaps_itself
-from ..planning.plan import Plan, gc_paused
+from .._gc import gc_paused
+from ..planning.plan import Plan
 from ..errors import GroupStateLost
 from . import strategies
 from .transport import torch_pg

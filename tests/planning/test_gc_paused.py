@@ -2,7 +2,7 @@
 straight to the oldest generation; a process's own frozen objects stay frozen."""
 import gc
 
-from ray_reshard.planning.plan import gc_paused
+from ray_reshard._gc import gc_paused
 
 
 class Piece:
