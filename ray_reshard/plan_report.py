@@ -20,8 +20,8 @@ from collections import defaultdict
 from typing import Any, Optional
 
 from .execution.delta import KINDS, expected_encoding, granule
-from .planning.plan import (DEFAULT_BUCKET_BYTES, Plan, default_window, network_bucket_counts,
-                            network_entries)
+from .planning.plan import DEFAULT_BUCKET_BYTES, Plan
+from .planning.schedule import default_window, network_bucket_counts, network_entries
 from .planning.planner import NETWORK, PATHS
 
 

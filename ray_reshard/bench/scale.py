@@ -47,7 +47,8 @@ from typing import Optional
 import torch
 
 from .._gc import gc_paused
-from ..planning.plan import Plan, build_share, plan as make_plan
+from ..planning.plan import Plan, plan as make_plan
+from ..planning.share import build_share
 from ..planning.planner import Endpoint
 from ..execution import regions
 from ..execution.program import Part, Program, Step, compile_program, per_item_min_bytes

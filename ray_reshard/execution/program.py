@@ -42,7 +42,9 @@ from . import fp8 as _fp8
 from . import host_copy
 from . import regions as _regions
 from .._gc import gc_paused
-from ..planning.plan import Plan, Transfer, build_share, parent_key, run_order
+from ..planning.plan import Plan
+from ..planning.schedule import Transfer, parent_key, run_order
+from ..planning.share import build_share
 from ..planning.planner import NETWORK, Endpoint
 
 SEND, RECV, COPY = "send", "recv", "copy"

@@ -60,7 +60,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..errors import TransportTimeout
-from ..planning.plan import default_window, gc_paused, group_span
+from .._gc import gc_paused
+from ..planning.schedule import default_window, group_span
 from ..planning.planner import NETWORK
 from ..execution.program import COPY, SEND, Program
 from .channel import Channel, NetChannel, RingChannel

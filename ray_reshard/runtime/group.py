@@ -14,9 +14,9 @@ import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
 from .._gc import gc_paused
-from ..planning.plan import (DEFAULT_BUCKET_BYTES, DEFAULT_STAGING_BYTES, MAX_WINDOW, Plan,
-                             PlanStats, PlanTimeout, check_spec_set, default_window,
+from ..planning.plan import (DEFAULT_BUCKET_BYTES, Plan, PlanStats, check_spec_set,
                              plan as make_plan)
+from ..planning.schedule import DEFAULT_STAGING_BYTES, MAX_WINDOW, PlanTimeout, default_window
 from ..planning.planner import Endpoint
 from ..layout.spec import TensorSpec
 from ..errors import GroupStateLost, RefitError, TransportError

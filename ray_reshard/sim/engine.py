@@ -89,9 +89,10 @@ from typing import Optional
 
 import numpy as np
 
-from ..planning.plan import (DEFAULT_BUCKET_BYTES, MAX_WINDOW, Plan, bucket_keys, default_window,
-                             forward_key, forward_segment, group_span, is_forward_key, parent_key,
-                             segment_rotations)
+from ..planning.plan import DEFAULT_BUCKET_BYTES, Plan
+from ..planning.schedule import (MAX_WINDOW, bucket_keys, default_window, forward_key,
+                                 forward_segment, group_span, is_forward_key, parent_key,
+                                 segment_rotations)
 from ..planning.planner import DOMAIN, LOCAL, NETWORK
 from .cluster import Cluster
 

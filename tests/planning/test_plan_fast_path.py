@@ -12,7 +12,7 @@ import torch
 from ray_reshard.cli_args import DEEPSEEK_V3, QWEN3_235B
 from ray_reshard.planning import Endpoint, plan
 from ray_reshard.layout import Layout, Mesh, Replicate, Shard, Slot, TensorSpec
-from ray_reshard.planning.plan import build_share
+from ray_reshard.planning.share import build_share
 from ray_reshard.planning.planner import plan_tensor_direct
 from ray_reshard.models import VLLM, Megatron, Recipe
 

@@ -8,8 +8,9 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from ray_reshard.planning.plan import (bucket_starts, build_share, forward_segment,
-                                       forward_segments, is_forward_key, parent_key, run_order)
+from ray_reshard.planning.schedule import (bucket_starts, forward_segment, forward_segments,
+                                           is_forward_key, parent_key, run_order)
+from ray_reshard.planning.share import build_share
 import torch
 
 from ray_reshard.layout import Box, Layout, Mesh, Replicate, Shard, TensorSpec, shard_tensor

@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from ray_reshard.layout import Layout, Mesh, Replicate, Shard, TensorSpec
 from ray_reshard.planning import Endpoint, plan
-from ray_reshard.planning.plan import (assign_turns, bucket_count, bucket_starts, build_share,
-                                       group_span, network_bucket_counts, network_entries)
+from ray_reshard.planning.schedule import (assign_turns, bucket_count, bucket_starts, group_span,
+                                           network_bucket_counts, network_entries)
+from ray_reshard.planning.share import build_share
 from ray_reshard.planning.planner import NETWORK
 
 F32 = torch.float32
@@ -131,7 +132,7 @@ def test_a_plan_too_large_to_count_keeps_the_rotation_schedule(monkeypatch):
     rotation schedule: bucket k of (s, d) in round k at rotation (d - s) mod n."""
     import sys
 
-    plan_module = sys.modules["ray_reshard.planning.plan"]    # the package exports plan()
+    plan_module = sys.modules["ray_reshard.planning.schedule"]
 
     p = _unequal_domains_plan()
     bucket = 4096

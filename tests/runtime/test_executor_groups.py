@@ -235,7 +235,7 @@ def test_forward_segments_never_deadlock(window):
     """A 32-rank destination domain (TP2 x DP16): forwards are merged per segment of a round's
     rotations and sent during the next segment (two segments here), with network groups of one
     or four rotations. Bit-exact, no deadlock, under NCCL's rules."""
-    from ray_reshard.planning.plan import forward_segments
+    from ray_reshard.planning.schedule import forward_segments
 
     src = L([0, 1, 2, 3], Shard(0))
     dst = L(torch.arange(32).reshape(16, 2).tolist(), Replicate(), Shard(0), names=("dp", "tp"))
