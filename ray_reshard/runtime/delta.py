@@ -24,6 +24,7 @@ The baseline's version is confirmed only when the driver says the refit finished
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -331,13 +332,28 @@ def summarize(per: list) -> Optional[dict]:
     return out
 
 
-def request(delta, specs) -> tuple[bool, Optional[tuple]]:
-    """A refit's `delta` argument checked against its spec set, before anything moves:
-    (whether it is a delta refit, the names sent as deltas or None for all). `delta` is a
-    bool, or a collection of spec names: only buckets all of whose tensors are among them
-    travel as deltas, the others dense (an empty collection: a dense refit)."""
+@dataclass(frozen=True)
+class DeltaRequest:
+    """What a delta refit asks of every process: where senders keep their baselines
+    (`baseline_place`, one of `BASELINE_PLACES`) and the spec names sent as deltas (`names`,
+    sorted; None: all). Buckets holding any other tensor travel dense."""
+
+    baseline_place: str
+    names: Optional[tuple] = None
+
+    def __post_init__(self):
+        if self.baseline_place not in BASELINE_PLACES:
+            raise ValueError(f"delta baseline place must be one of {BASELINE_PLACES}, got "
+                             f"{self.baseline_place!r}")
+
+
+def request(delta, specs, baseline_place: str) -> Optional[DeltaRequest]:
+    """A refit's `delta` argument checked against its spec set, before anything moves: its
+    `DeltaRequest`, or None for a dense refit. `delta` is a bool, or a collection of spec
+    names: only buckets all of whose tensors are among them travel as deltas, the others
+    dense (an empty collection: a dense refit)."""
     if isinstance(delta, bool):
-        return delta, None
+        return DeltaRequest(baseline_place) if delta else None
     if isinstance(delta, (str, bytes)) or not hasattr(delta, "__iter__"):
         raise TypeError(f"delta must be True, False or a collection of spec names, got "
                         f"{delta!r}")
@@ -345,19 +361,16 @@ def request(delta, specs) -> tuple[bool, Optional[tuple]]:
     unknown = [n for n in names if n not in specs]
     if unknown:
         raise ValueError(f"delta names {unknown[:5]} are not in this refit's specs")
-    return bool(names), names
+    return DeltaRequest(baseline_place, names) if names else None
 
 
-def run_for(program, place_and_names, version: int, held: Optional[int],
+def run_for(program, req: DeltaRequest, version: int, held: Optional[int],
             device: torch.device, pid: int) -> DeltaRun:
-    """A process's `DeltaRun` for an installed program (`program.baselines`, kept across
-    refits; `program.plan`, `program.compiled`): `place_and_names` is where baselines live,
-    or (where, the names sent as deltas) as `request` gives them."""
-    place, names = (place_and_names if isinstance(place_and_names, tuple)
-                    else (place_and_names, None))
-    if program.baselines is None or program.baselines.place != place:
-        program.baselines = Baselines(place)
-    only = None if names is None else frozenset(
-        i for i, n in enumerate(program.plan.names) if n in set(names))
+    """A process's `DeltaRun` of `req` for an installed program (`program.baselines`, kept
+    across refits; `program.plan`, `program.compiled`)."""
+    if program.baselines is None or program.baselines.place != req.baseline_place:
+        program.baselines = Baselines(req.baseline_place)
+    only = None if req.names is None else frozenset(
+        i for i, n in enumerate(program.plan.names) if n in req.names)
     return DeltaRun(program.baselines, version, held, device, pid, only,
                     program.compiled.held)

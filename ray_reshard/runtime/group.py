@@ -472,8 +472,8 @@ class ReshardGroup:
         recovered = self._recover(timeout_s or self.timeout_s) if self._broken else None
         check_spec_set(specs)
         _check_timeout(timeout_s)
-        delta, delta_names = delta_request(delta, specs)
-        if delta and self.strategy != "reshard":
+        delta = delta_request(delta, specs, self.delta_baseline)
+        if delta is not None and self.strategy != "reshard":
             raise ValueError(f"delta refits need the reshard strategy (this group uses "
                              f"{self.strategy!r}, which sends whole tensors)")
         # One deadline for the whole refit: sizing and planning a new spec set, installing its
@@ -504,10 +504,8 @@ class ReshardGroup:
         # One call per process: it checks its tensors, votes with the others through the
         # group's store (nobody moves a byte unless everyone's tensors are right), and runs.
         ballot = f"refit{next(self._ballots)}"
-        place = (self.delta_baseline if delta_names is None else
-                 (self.delta_baseline, delta_names)) if delta else None
         refs = [a.__ray_call__.remote(worker.run, self.group_id, key, left, version, atomic,
-                                      snapshot, ballot, self._version, place)
+                                      snapshot, ballot, self._version, delta)
                 for a in self._procs]
         return {"refs": refs, "left": left, "version": version, "timeout": timeout, "t0": t0,
                 "plan": p, "planned": planned, "atomic": atomic, "recovered": recovered}
