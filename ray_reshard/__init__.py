@@ -12,7 +12,7 @@ from .errors import RefitError, TransportError, TransportTimeout
 
 __version__ = "0.1.0"
 
-_LAZY = {"ReshardGroup": "runtime.group", "RefitResult": "runtime.group",
+_LAZY = {"ReshardGroup": "runtime.group", "RefitResult": "runtime.result",
          "PendingRefit": "runtime.group", "models": "models",
          "connect": "session", "on_node": "session", "ClusterUnreachable": "session"}
 

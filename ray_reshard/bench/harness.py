@@ -174,3 +174,33 @@ def machine_facts() -> dict:
             "cores": os.cpu_count(), "memory_gib": round(mem / (1 << 30), 1),
             "python": platform.python_version(), "ray": ray.__version__,
             "torch": torch.__version__, "load_avg_1m": round(os.getloadavg()[0], 2)}
+
+
+def raw_bandwidth(group, nbytes_per_pair: int, pairs=None) -> float:
+    """Aggregate GB/s of plain sends over `group`'s network transport, between its own
+    processes (the same actors and collective group a refit uses).
+
+    By default source i sends `nbytes_per_pair` to destination i (all pairs at once); `pairs`:
+    (sender process, receiver process) pairs instead."""
+    import ray
+
+    from ..planning.planner import Endpoint
+    from ..runtime import worker
+    from ..runtime.protocol import default_timeout_s
+
+    procs, proc_of = group.members.procs, group.members.proc_of
+    if pairs is None:
+        pairs = [(proc_of[Endpoint("src", i)], proc_of[Endpoint("dst", i)])
+                 for i in range(min(len(group.src_actors), len(group.dst_actors)))]
+        pairs = [(s, d) for s, d in pairs if s != d]
+    sends: dict = {}
+    recvs: dict = {}
+    for s, d in pairs:
+        sends.setdefault(s, {})[d] = 1
+        recvs.setdefault(d, {})[s] = 1
+    pids = sorted(set(sends) | set(recvs))
+    timeout = default_timeout_s(nbytes_per_pair * len(pairs))
+    secs = ray.get([procs[p].__ray_call__.remote(
+        worker.raw_transfer, group.group_id, sends.get(p, {}), recvs.get(p, {}),
+        nbytes_per_pair, timeout) for p in pids])
+    return nbytes_per_pair * len(pairs) / max(secs) / 1e9

@@ -60,7 +60,7 @@ import torch
 from ..cli_args import Parser, output_file
 from ..testing import local_cluster
 from .harness import SETTLE_LIMIT_S, MiB, SpillCheck, Spread, check_store, machine_facts, \
-    settle, store_bytes_for
+    raw_bandwidth, settle, store_bytes_for
 
 COLS = 1024
 GOAL_OBJECT_STORE = 2.0       # reshard at least this many times faster than the object store
@@ -245,7 +245,7 @@ def _case(src, dst, count: int, mb: int, bucket_mb: int, repeats: int, rdt, log=
         def raw(group):
             def run():
                 t0 = time.perf_counter()
-                group.raw_bandwidth(per_pair)
+                raw_bandwidth(group, per_pair)
                 return time.perf_counter() - t0
             return run
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .harness import Spread
+from .harness import raw_bandwidth
 
 from ray_reshard.cli_args import Parser, positive_int
 
@@ -74,10 +75,10 @@ def main(mb: int = 256, repeats: int = 5) -> int:
                 t = spread.median
                 times["reshard"] = t
                 per_pair = max(st.network_bytes // 4, 1)
-                raws = {"bucket-sized messages": [g.raw_bandwidth(per_pair)
+                raws = {"bucket-sized messages": [raw_bandwidth(g, per_pair)
                                                   for _ in range(repeats)]}
                 with rr.ReshardGroup(src, dst, bucket_bytes=per_pair) as whole:
-                    raws["one message per pair"] = [whole.raw_bandwidth(per_pair)
+                    raws["one message per pair"] = [raw_bandwidth(whole, per_pair)
                                                     for _ in range(repeats)]
                 raw_by = {k: Spread(v) for k, v in raws.items()}
                 best = max(raw_by, key=lambda k: raw_by[k].median)

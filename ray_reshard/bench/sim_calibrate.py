@@ -50,6 +50,7 @@ import torch
 import ray_reshard as rr
 from ray_reshard.cli_args import Parser, output_file
 from ray_reshard.execution.program import PER_ITEM_MIN_BYTES
+from ray_reshard.bench.harness import raw_bandwidth
 from ray_reshard.sim import Cluster, gather_broadcast_seconds, messages_exact, simulate
 from ray_reshard.testing import holders, local_cluster
 
@@ -160,9 +161,9 @@ def measure(args, src, dst, near) -> dict:
     probe = 64 << 20
     m = {"cores": os.cpu_count() or 1}
     with rr.ReshardGroup(src[:1], dst[:1]) as g1:
-        m["one_Bps"] = statistics.median(g1.raw_bandwidth(probe) for _ in range(prim)) * 1e9
+        m["one_Bps"] = statistics.median(raw_bandwidth(g1, probe) for _ in range(prim)) * 1e9
     with rr.ReshardGroup(src, dst, bucket_bytes=bucket) as g:
-        m["fabric_Bps"] = statistics.median(g.raw_bandwidth(probe) for _ in range(prim)) * 1e9
+        m["fabric_Bps"] = statistics.median(raw_bandwidth(g, probe) for _ in range(prim)) * 1e9
         tiny = _specs(1, N, 4, tp4, tp4)                # one item per rank, one round
         _fill(src, tiny, "src"), _fill(dst, tiny, "dst")
         m["t_round"], _ = _time_refits(g, tiny, prim * 2)

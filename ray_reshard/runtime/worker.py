@@ -55,9 +55,8 @@ class _Shard:
 class _Program:
     plan: Plan
     held: list[tuple[str, int, int]]      # (side, rank, tensor) shards this process holds
-    strategy: str = "reshard"
-    gb_steps: list = field(default_factory=list)
-    compiled: Any = None                  # reshard: this process's compiled Program
+    strategy: Any = None                  # the strategy object (strategies.STRATEGIES)
+    compiled: Any = None                  # what the strategy compiled for this process
     shards: list = field(default_factory=list)
     storages: tuple = ()                  # local tensor names the shards live in
     # The last validation that found no problem: (what the local tensors looked like, shard
@@ -184,17 +183,12 @@ def install(actor, group_id: str, key, plan: Plan, transfers: Optional[list],
                     shards.append(_Shard(shard, name, spec, slot, box.sizes, dtype))
         names = dst_names + src_names + scales
         dst_names += scales
-        prog = _Program(plan, held, strategy, shards=shards,
+        strat = strategies.STRATEGIES[strategy]
+        prog = _Program(plan, held, strat, shards=shards,
                         storages=tuple(dict.fromkeys(names)),
                         dst_storages=tuple(dict.fromkeys(dst_names)))
-        strat = strategies.STRATEGIES[strategy]
-        if strategy == "gather_broadcast":
-            prog.gb_steps = strat.install(plan, wg.endpoints, wg.bucket_bytes, wg.ep_pid, wg.pg)
-            ring = {}
-        else:
-            prog.compiled = strat.install(plan, wg.endpoints, wg.bucket_bytes, wg.ep_pid,
-                                          transfers=transfers, device_type=wg.device.type)
-            ring = dict(prog.compiled.max_ring_bytes)
+        prog.compiled = strat.install(plan, wg, transfers)
+        ring = strat.ring_bytes(prog.compiled)
     wg.programs[key] = prog
     return ring
 
@@ -501,8 +495,8 @@ def run(actor, group_id: str, key, timeout_s: float, version: int, atomic: bool 
                 run_delta = _delta_run(wg, prog, delta, version)
             if not atomic:
                 wg.held = None            # written in place from here on
-            stats = strategies.STRATEGIES[prog.strategy].execute(wg, prog, views, deadline, token,
-                                                                 run_delta)
+            stats = prog.strategy.execute(wg, prog.compiled, views, deadline, token,
+                                          run_delta)
     except BaseException as e:
         _abort_channels(wg, f"{type(e).__name__}: {e}")
         raise
