@@ -112,7 +112,7 @@ class RingChannel(Channel):
         `drain` before those bytes may change."""
         if sending:
             ring = self.rings_out[peer]
-            if getattr(ring, "reads_direct", None) is not None and ring.reads_direct():
+            if ring.reads_direct():
                 rows = part.byte_rows()
                 if rows is not None and rows.nbytes <= ring.slot_bytes:
                     ring.send_rows(rows, deadline)
@@ -122,7 +122,7 @@ class RingChannel(Channel):
             return
         ring = self.rings_in[peer]
         slot = ring.recv_slot(deadline)
-        if getattr(ring, "listed", False):
+        if ring.listed:
             rows = part.byte_rows()
             if rows is not None:
                 ring.read_listed(slot, rows)

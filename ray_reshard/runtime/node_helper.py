@@ -26,7 +26,8 @@ from typing import Any, Dict, List, Mapping, Optional
 
 import ray
 
-from .transport.shm import SHM_DIR, ShmRing, segment_exists
+from .transport.segment import SHM_DIR, segment_exists
+from .transport.shm import ShmRing
 
 __all__ = ["NodeHelper", "start_node_helpers", "discover_actor_info", "DOMAIN_ENV",
            "gpu_inventory", "fabric_domain_of", "FabricInfo", "FabricInfoV2"]

@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from ray_reshard.errors import TransportError
-from ray_reshard.runtime.transport.shm import SHM_DIR, ShmRing
+from ray_reshard.runtime.transport.segment import SHM_DIR
+from ray_reshard.runtime.transport.shm import ShmRing
 
 SEG = re.compile(r"rr-[0-9a-f]{32}")
 pytestmark = pytest.mark.timeout(300)

@@ -11,7 +11,7 @@ import torch.multiprocessing as tmp
 
 from ray_reshard.errors import TransportError, TransportTimeout
 from ray_reshard.runtime.transport.cuda_ipc import CudaIpcRing
-from ray_reshard.runtime.transport.shm import segment_exists
+from ray_reshard.runtime.transport.segment import segment_exists
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 JOIN_S = 120

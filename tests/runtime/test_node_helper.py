@@ -12,7 +12,8 @@ from ray_reshard.errors import TransportError
 from ray_reshard.runtime.node_helper import (DOMAIN_ENV, NodeHelper, discover_actor_info,
                                              start_node_helpers)
 from ray_reshard.runtime.transport.cuda_ipc import CudaIpcRing
-from ray_reshard.runtime.transport.shm import SHM_DIR, ShmRing, segment_exists
+from ray_reshard.runtime.transport.segment import SHM_DIR, segment_exists
+from ray_reshard.runtime.transport.shm import ShmRing
 
 T = 60
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from ray_reshard.errors import TransportError, TransportTimeout
-from ray_reshard.runtime.transport.shm import SHM_DIR, ShmRing, segment_exists
+from ray_reshard.runtime.transport.segment import SHM_DIR, segment_exists
+from ray_reshard.runtime.transport.shm import ShmRing
 
 CTX = mp.get_context("spawn")
 JOIN_S = 60

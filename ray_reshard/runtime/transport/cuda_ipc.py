@@ -1,38 +1,12 @@
-"""A ring whose slots live in GPU memory, shared between two processes through CUDA IPC.
+"""The CUDA IPC ring: a ring (`segment.py`) whose slots live in GPU memory shared between two
+processes on one node.
 
-Same interface and protocol as :class:`~ray_reshard.runtime.transport.shm.ShmRing`: the header
-(sequence counters, slot lengths, abort flag) is an ordinary shared-memory segment, created by
-anyone (typically the node helper, which needs no GPU). The slot data is one GPU buffer of
-``slots x slot_bytes`` owned by the **receiver**: on its first :meth:`CudaIpcRing.recv_slot` (or an
-explicit :meth:`CudaIpcRing.prepare_recv`) it allocates the buffer on its current device and
-publishes the CUDA IPC handle in the header's metadata area. The sender opens the handle on its first
-:meth:`CudaIpcRing.send_slot` (waiting for it, under the same deadline), then packs straight into the
-receiver's memory (over NVLink when the two GPUs differ).
-
-GPU ordering: ``commit_send`` publishes a slot only once the sender's current streams (of its own
-device and of the buffer's device) have finished the copies into it, so the bytes are complete
-when the receiver sees the slot; ``release_recv`` frees a slot only once the receiver's current
-stream has finished reading it, so the sender cannot overwrite bytes still being read. Pass
-``stream=`` to either to mean a specific stream. Both record CUDA events on those streams and
-wait for them at once (``flush``), or with ``defer=True`` leave publishing (freeing) to a later
-``poll`` (events done: never blocks) or ``flush``: the host goes on to its next copy while the
-GPU runs this one. Slots are published and freed in order, and a side that has to wait for the
-peer flushes its own first, so it never waits on a slot it holds itself.
-
-Devices: Ray gives each GPU actor CUDA_VISIBLE_DEVICES with only its own GPU, so the sender
-usually cannot see the receiver's GPU. It then opens the handle on its own current device: CUDA
-maps the peer's memory into that device's address space through peer access (CUDA >= 10.1 allows
-it for invisible devices), and the packing kernels write over NVLink / PCIe. When the buffer's GPU
-is visible (same GPU, e.g. actors sharing one with fractional ``num_gpus``, or all GPUs visible),
-the handle is opened on that device. The rule is :func:`~.devices.ipc_open_device`.
-
-Allocation: the slot buffer is a plain cudaMalloc'd block of torch's caching allocator. Under
-``expandable_segments:True`` the allocator's memory would be shared through file descriptors that
-need ptrace rights between the processes, so the ring allocates with expandable segments switched
-off for that one allocation. The receiver synchronises its device before publishing the handle,
-so no IPC event is shared (events of an invisible device could not be opened either).
-
-The receiver must outlive the sender's use of the ring. The metadata is JSON (no pickle).
+The header is an ordinary shared-memory segment (anyone creates it, e.g. the node helper, which
+needs no GPU); the slots are one GPU buffer owned by the receiver, which allocates it on first
+use and publishes its IPC handle in the header's metadata (JSON, no pickle). The sender opens
+it (on its own device when the receiver's GPU is invisible to it, see `devices.py`) and packs
+straight into the receiver's memory. Slots are published and freed only once the copies into
+and out of them are done on the GPU (CUDA events). The receiver must outlive the sender's use.
 """
 from __future__ import annotations
 
@@ -45,7 +19,7 @@ import torch
 
 from ...errors import TransportError
 from .devices import expandable_segments, ipc_open_device
-from .shm import _OFF_META_LEN, _Segment, _round_up
+from .segment import OFF_META_LEN, RingSegment, round_up
 
 __all__ = ["CudaIpcRing", "StreamMarker"]
 
@@ -61,14 +35,16 @@ def _device_uuid(index: int) -> Optional[str]:
 
 
 def _open_index(uuid: Optional[str]) -> int:
-    """The local device to open a buffer on GPU `uuid` on (see the module docstring)."""
+    """The local device to open a buffer on GPU `uuid` on (`devices.ipc_open_device`)."""
     visible = [_device_uuid(i) for i in range(torch.cuda.device_count())]
     return ipc_open_device(uuid, visible, torch.cuda.current_device())
 
 
 @contextlib.contextmanager
 def _no_expandable_segments():
-    """Allocate inside without expandable segments (restored after) when they are on."""
+    """Allocate inside without expandable segments (restored after) when they are on: their
+    memory would be shared through file descriptors that need ptrace rights between the
+    processes, not through the IPC handle a ring publishes."""
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
     if not expandable_segments(conf):
         yield
@@ -114,12 +90,12 @@ class StreamMarker:
             e.synchronize()
 
 
-class CudaIpcRing(_Segment):
+class CudaIpcRing(RingSegment):
     """SPSC ring with GPU slots (receiver-owned buffer shared by CUDA IPC)."""
 
     def __init__(self, name, mm, owner_created: bool):
         super().__init__(name, mm, owner_created)
-        self._gstride = _round_up(max(self.slot_bytes, 1), _ALIGN)
+        self._gstride = round_up(max(self.slot_bytes, 1), _ALIGN)
         self._buf: Optional[torch.Tensor] = None
         self._owner = False
 
@@ -138,7 +114,7 @@ class CudaIpcRing(_Segment):
         self._check_open()
         if self._buf is not None:
             return
-        if self._load(_OFF_META_LEN) > 0:
+        if self._load(OFF_META_LEN) > 0:
             raise TransportError(f"ring {self.name!r} already has a GPU buffer owned by another "
                                  f"process (only the receiver allocates)")
         dev = torch.device("cuda", torch.cuda.current_device()) if device is None \
@@ -165,7 +141,7 @@ class CudaIpcRing(_Segment):
     def _open_buffer(self, deadline: Optional[float]) -> None:
         if self._buf is not None:
             return
-        self._wait(lambda: self._load(_OFF_META_LEN) > 0, deadline, "the receiver's GPU buffer")
+        self._wait(lambda: self._load(OFF_META_LEN) > 0, deadline, "the receiver's GPU buffer")
         meta = json.loads(self.meta.decode())
         if meta.get("pid") == os.getpid():
             raise TransportError("sender and receiver of a CudaIpcRing must be different processes")
@@ -178,7 +154,8 @@ class CudaIpcRing(_Segment):
                 bool(meta["event_sync"]))
         except RuntimeError as e:
             raise TransportError(
-                f"ring {self.name!r}: cannot open the receiver's GPU buffer (GPU {meta.get('uuid')}, "
+                f"ring {self.name!r}: cannot open the receiver's GPU buffer "
+                f"(GPU {meta.get('uuid')}, "
                 f"process {meta.get('pid')}) on local device {dev} "
                 f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): "
                 f"{str(e).splitlines()[0] if str(e) else type(e).__name__}; CUDA IPC needs peer "
@@ -199,7 +176,7 @@ class CudaIpcRing(_Segment):
 
     # -- ring interface
     def ready(self, sending: bool) -> bool:
-        """As `_Segment.ready`, and False until the GPU buffer is open on this side (opening
+        """As `RingSegment.ready`, and False until the GPU buffer is open on this side (opening
         it may wait)."""
         return self._buf is not None and super().ready(sending)
 

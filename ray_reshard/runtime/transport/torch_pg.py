@@ -1,38 +1,11 @@
 """Network transport: a torch.distributed process group registered as a Ray collective backend.
 
-Ray 2.60's built-in "GLOO" backend initialises torch's *default* process group, one per process,
-so a trainer that already runs torch.distributed (or an actor in two reshard groups) cannot use
-it; its NCCL backend builds a two-rank communicator per peer pair for send/recv. We register our
-own backends instead ("RR_GLOO", "RR_NCCL"): each group is a standalone, non-default
-ProcessGroupGloo / ProcessGroupNCCL over its own TCPStore, rendezvoused through Ray's internal KV,
-so any number of groups coexist in one process next to the user's own torch.distributed state.
-
-Protocol of one group:
-
-- Set-up. Rank 0 hosts the TCPStore and publishes its address in Ray's KV. Every rank builds the
-  process group, then meets the others at a barrier made of store keys (``rr_ready/<rank>``): no
-  collective runs at set-up, so the barrier works on any backend and any device sharing. NCCL
-  then connects *eagerly* on the actor's own device: one communicator over all ranks, which every
-  point-to-point operation uses (each send/recv is issued as a coalesced group of one, so torch
-  never builds a two-rank communicator per peer pair).
-- Abort. :meth:`TorchPGGroup.abort` writes ``rr_abort`` (first reason wins) in the group's store
-  and breaks this process's pending operations. A watcher thread in every process polls that key
-  every ``ABORT_POLL_S`` and breaks its own pending operations when it appears, so a failure
-  anywhere ends every wait within about a second. Breaking: gloo cannot cancel a posted
-  operation, but a *timed-out* wait closes every connection of the gloo context, which fails
-  every pending operation of the process at once (and its direct peers see the connection
-  close); the watcher provokes that with a 1 ms wait on a receive nobody sends. NCCL: the
-  communicators are aborted (ncclCommAbort). Losing the store (rank 0's process died) counts as
-  an abort too.
-- Waits (:func:`wait`) honour what is left of the caller's deadline, including none (an
-  immediate TransportTimeout), and raise TransportError naming the abort reason.
-- NCCL errors. The group's ProcessGroupNCCL is built with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``
-  (abort the communicators, keep the process) and the heartbeat monitor off, for this group only:
-  torch's default tears down the whole process (the user's trainer or engine) when an operation
-  fails or times out. Our own deadlines come long before NCCL's.
-- gloo with CUDA tensors: gloo's TCP transport reads host memory only, so point-to-point messages
-  of CUDA tensors are staged through pinned host buffers (the receive copies back to the device
-  when it completes).
+Our backends ("RR_GLOO", "RR_NCCL") are standalone, non-default ProcessGroupGloo /
+ProcessGroupNCCL objects over the group's own store (`pg_store.py`), so any number of groups
+live in one process beside the user's own torch.distributed state. An abort anywhere breaks
+every member's pending operations within about a second; waits honour the caller's deadline.
+NCCL groups abort their communicators on an error instead of ending the process. It knows
+nothing of plans or programs: it moves tensors between group ranks.
 """
 from __future__ import annotations
 
@@ -46,41 +19,25 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-import ray
 from ray.util.collective.backend_registry import _global_registry, register_collective_backend
 from ray.util.collective.collective_group.base_collective_group import BaseGroup
 
 from ...errors import TransportError, TransportTimeout
+from .pg_errors import cause, gpu_name, transport_error
+from .pg_store import (ABORT_KEY, LATE_STORE_CHECK_S, STORE_OP_TIMEOUT_S, GroupStore,
+                       store_barrier, watch_aborts)
 
 __all__ = ["TorchPGGroup", "TorchNCCLGroup", "Pending", "wait", "abort_group", "ensure_registered",
-           "backend_name", "ABORT_POLL_S", "LATE_STORE_CHECK_S", "NCCL_GROUP_ENV"]
+           "backend_name", "NCCL_GROUP_ENV", "RENDEZVOUS_TIMEOUT_S"]
 
-_KV_PREFIX = "ray_reshard_store:"
 DEFAULT_OP_TIMEOUT_S = 1800.0
 # Bound on joining a group (store connection, barrier, NCCL connect); the worker sets it per group.
 RENDEZVOUS_TIMEOUT_S = 120.0
-# How often every process looks for an abort written by another one.
-ABORT_POLL_S = 0.2
-# Bound on one store operation of the abort path: a frozen store host (process 0 stopped, not
-# dead) must not hold a failing process past its deadline. The store is served by a thread of
-# its own in process 0: a live host answers in milliseconds. A TCPStore client whose server
-# stopped answering blocks in most operations whatever its timeout, so every store operation
-# of a member's own thread runs in a helper thread it waits for at most this long (or until
-# the refit's deadline, for a vote); see `TorchPGGroup._bounded`.
-STORE_OP_TIMEOUT_S = 2.0
-# Once a wait's deadline passed, how long a member still asks the store for an abort another
-# member wrote (a frozen host makes this the moment it reports the store silent).
-LATE_STORE_CHECK_S = 0.5
-_ABORT_KEY = "rr_abort"
 _BREAK_TAG = 0x5252_0000          # a gloo tag no message uses: the watcher's 1 ms receive
-# Set while our ProcessGroupNCCL objects are built (torch reads them in the constructor).
+# Set while our ProcessGroupNCCL objects are built (torch reads them in the constructor):
+# abort the communicators on an error and keep the process, no heartbeat monitor.
 NCCL_GROUP_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_ENABLE_MONITORING": "0"}
 _ENV_LOCK = threading.Lock()
-
-
-def _kv():
-    import ray.experimental.internal_kv as kv
-    return kv
 
 
 @contextlib.contextmanager
@@ -180,28 +137,7 @@ class TorchPGGroup(BaseGroup):
         if rendezvous_timeout_s is None:
             rendezvous_timeout_s = RENDEZVOUS_TIMEOUT_S
         self._rendezvous_s = rendezvous_timeout_s
-        key = _KV_PREFIX + group_name
-        kv = _kv()
-        if rank == 0:
-            host = ray.util.get_node_ip_address()
-            self._store = dist.TCPStore(host, 0, world_size, is_master=True,
-                                        timeout=datetime.timedelta(seconds=rendezvous_timeout_s),
-                                        wait_for_workers=False)
-            kv._internal_kv_put(key, f"{host}:{self._store.port}", overwrite=True)
-        else:
-            deadline = time.monotonic() + rendezvous_timeout_s
-            while True:
-                addr = kv._internal_kv_get(key)
-                if addr is not None:
-                    break
-                if time.monotonic() > deadline:
-                    raise TransportTimeout(f"group {group_name!r}: rank 0 never published its "
-                                           f"store address ({rendezvous_timeout_s:.0f} s)")
-                time.sleep(0.02)
-            host, port = addr.decode().rsplit(":", 1)
-            self._store = dist.TCPStore(host, int(port), world_size, is_master=False,
-                                        timeout=datetime.timedelta(seconds=rendezvous_timeout_s))
-        self._gstore = dist.PrefixStore(group_name + "/", self._store)
+        self.store = GroupStore(group_name, rank, world_size, rendezvous_timeout_s)
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._subgroups: dict = {}
         self._barriers = 0
@@ -209,65 +145,25 @@ class TorchPGGroup(BaseGroup):
         self._aborted: Optional[str] = None
         self._stop = threading.Event()
         self.device = self._device()
-        self.pg = self._make_pg(self._gstore, rank, world_size)
+        self.pg = self._make_pg(self.store.keys, rank, world_size)
         # Everyone has built its process group once this returns (store keys only: no
-        # collective, whatever the backend); the KV entry is then no longer needed. A member
-        # that died during set-up fails the others here within the rendezvous timeout.
-        store_barrier(self._gstore, "rr_ready", rank, world_size,
+        # collective, whatever the backend). A member that died during set-up fails the others
+        # here within the rendezvous timeout.
+        store_barrier(self.store.keys, "rr_ready", rank, world_size,
                       time.monotonic() + rendezvous_timeout_s, f"group {group_name!r} set-up")
         self._connect()
-        if rank == 0:
-            kv._internal_kv_del(key)
-        # Aborts go through connections of their own with short timeouts, so that a frozen
-        # store host cannot hold a failing process (the watcher thread has another one).
-        self._abort_store = self._short_store()
-        watch_store = self._short_store()
-        # Votes go through a connection of their own. Once one store operation did not answer
-        # in time, this says why, and no store operation of this member is tried again (the
-        # helper thread of the one that did not answer may still hold its connection).
-        self._vote_store = self._short_store()
-        self._store_silent: Optional[str] = None
-        self._watcher = threading.Thread(target=self._watch, args=(watch_store,),
+        # Aborts, votes and the watcher thread go through connections of their own with short
+        # timeouts, so that a frozen store host cannot hold a failing process.
+        watch_keys = self.store.open_side_connections()
+        self._watcher = threading.Thread(target=watch_aborts,
+                                         args=(watch_keys, self._abort_local, self._stop),
                                          name=f"rr-abort-{group_name}", daemon=True)
         self._watcher.start()
 
     @property
     def store_address(self) -> tuple[str, int]:
         """(host, port) of the group's store, for :func:`abort_group` from another process."""
-        return self._store.host, self._store.port
-
-    def _short_store(self):
-        client = self._store.clone()
-        client.set_timeout(datetime.timedelta(seconds=STORE_OP_TIMEOUT_S))
-        return dist.PrefixStore(self.group_name + "/", client)
-
-    def _bounded(self, fn: Callable, deadline: float, what: str):
-        """fn() (a store operation) run in a helper thread, waited for until `deadline`: a
-        store whose host stopped answering raises TransportTimeout naming process 0 then,
-        and every later store operation of this member at once."""
-        if self._store_silent is not None:
-            raise TransportTimeout(f"{what}: {self._store_silent}")
-        out: dict = {}
-
-        def call():
-            try:
-                out["value"] = fn()
-            except BaseException as e:      # handed to the waiting thread
-                out["error"] = e
-        t = threading.Thread(target=call, name=f"rr-store-{self.group_name}", daemon=True)
-        t.start()
-        t.join(max(deadline - time.monotonic(), 0.05))
-        if t.is_alive():
-            self._store_silent = (f"the group's store did not answer: process 0 (its host) "
-                                  f"stopped answering")
-            raise TransportTimeout(f"{what}: {self._store_silent}")
-        error = out.pop("error", None)
-        if error is not None:
-            try:
-                raise error
-            finally:        # no cycle through this frame: the caller's frames die with it
-                error = None
-        return out.get("value")
+        return self.store.address
 
     # -- backend specifics (overridden by the NCCL variant)
     def _device(self) -> Optional[torch.device]:
@@ -316,7 +212,7 @@ class TorchPGGroup(BaseGroup):
         except RuntimeError as e:
             self._check_store()
             self._raise_if_aborted(what)
-            raise _transport_error(what, e) from None
+            raise transport_error(what, e) from None
 
     def post_group(self, ops: list) -> "PendingGroup":
         """Sends and receives `ops` = [(peer, tensor, sending)] posted together; one handle
@@ -331,7 +227,7 @@ class TorchPGGroup(BaseGroup):
         ranks = tuple(ranks)
         if ranks not in self._subgroups:
             tag = "sub" + "-".join(map(str, ranks)) + "/"
-            store = dist.PrefixStore(tag, self._gstore)
+            store = dist.PrefixStore(tag, self.store.keys)
             self._subgroups[ranks] = (self._make_pg(store, ranks.index(self.rank), len(ranks)),
                                       ranks)
         return _BoundPG(self, self._subgroups[ranks][0])
@@ -343,36 +239,7 @@ class TorchPGGroup(BaseGroup):
         until `deadline` at most, and an abort from any member ends the wait at once.
         Ballots must be cast in the same order everywhere; each member clears its key of the
         previous ballot (every member has passed it by the time this one completes)."""
-        store = self._vote_store
-        what = f"refit check ({name})"
-        # A little past the deadline: the barrier itself raises at the deadline, naming the
-        # ranks that did not vote, when the store answers.
-        late = deadline + ABORT_POLL_S + 0.5
-        try:
-            if not ok:
-                self._bounded(lambda: store.add(f"{name}/no", 1), deadline, what)
-            self._bounded(lambda: store_barrier(store, name, self.rank, self.world_size,
-                                                deadline, what, self._raise_if_aborted),
-                          late, what)
-            refused = self._bounded(lambda: store.add(f"{name}/no", 0), late, what)
-        except TransportError:
-            raise
-        except Exception as e:            # the store's host (process 0) is gone
-            self._raise_if_aborted(what)
-            raise TransportError(f"{what}: the group's store (hosted by process 0) did not "
-                                 f"answer before the deadline: process 0 stopped answering "
-                                 f"({_cause(e)})") from None
-        last, self._last_vote = getattr(self, "_last_vote", None), name
-        if last is not None:
-            def clear():
-                store.delete_key(f"{last}/{self.rank}")
-                if self.rank == 0:
-                    store.delete_key(f"{last}/no")
-            try:
-                self._bounded(clear, time.monotonic() + STORE_OP_TIMEOUT_S, what)
-            except Exception:
-                pass
-        return refused
+        return self.store.vote(name, ok, deadline, self._raise_if_aborted)
 
     # -- abort
     @property
@@ -386,27 +253,10 @@ class TorchPGGroup(BaseGroup):
         at once; the other members' watchers break theirs within ABORT_POLL_S."""
         reason = (reason or f"process {self.rank} aborted the group")[:500]
         try:
-            first = self._bounded(lambda: self._abort_store.compare_set(_ABORT_KEY, "", reason),
-                                  time.monotonic() + STORE_OP_TIMEOUT_S, "abort")
-            reason = bytes(first).decode(errors="replace") or reason
+            reason = self.store.write_abort(reason)
         except Exception:
             pass                        # the store is gone: the others' watchers notice that
         self._abort_local(reason)
-
-    def _watch(self, store) -> None:
-        misses = 0
-        while not self._stop.wait(ABORT_POLL_S):
-            try:
-                if store.check([_ABORT_KEY]):
-                    self._abort_local(store.get(_ABORT_KEY).decode(errors="replace"))
-                    return
-                misses = 0
-            except Exception as e:
-                misses += 1
-                if misses >= 2 and not self._stop.is_set():
-                    self._abort_local(f"the group's store (hosted by process 0) is unreachable: "
-                                      f"{type(e).__name__}")
-                    return
 
     def _abort_local(self, reason: str) -> None:
         with self._lock:
@@ -416,7 +266,10 @@ class TorchPGGroup(BaseGroup):
         self._break()
 
     def _break(self) -> None:
-        """Make every pending operation of this process fail now (see the module docstring)."""
+        """Make every pending operation of this process fail now. gloo cannot cancel a posted
+        operation, but a timed-out wait closes every connection of its context, which fails
+        every pending operation of the process at once (its direct peers see the connections
+        close): a 1 ms wait on a receive nobody sends provokes that."""
         pgs = [(self.pg, tuple(range(self.world_size))), *list(self._subgroups.values())]
         for pg, ranks in pgs:
             if len(ranks) < 2:
@@ -445,7 +298,7 @@ class TorchPGGroup(BaseGroup):
             self._check_store(LATE_STORE_CHECK_S if time.monotonic() >= deadline
                               else STORE_OP_TIMEOUT_S)
             self._raise_if_aborted(what)
-            raise _transport_error(what, e) from None
+            raise transport_error(what, e) from None
         self._raise_if_aborted(what)
         if ok is False:
             raise TransportTimeout(f"{what}: timed out")
@@ -455,13 +308,8 @@ class TorchPGGroup(BaseGroup):
         waiting at most `seconds` for the store."""
         if self._aborted is not None:
             return
-
-        def read():
-            if self._abort_store.check([_ABORT_KEY]):
-                return self._abort_store.get(_ABORT_KEY).decode(errors="replace")
-            return None
         try:
-            reason = self._bounded(read, time.monotonic() + seconds, "abort check")
+            reason = self.store.read_abort(seconds)
         except TransportTimeout as e:   # the store's host stopped answering: that is the cause
             self._abort_local(str(e))
             return
@@ -495,7 +343,7 @@ class TorchPGGroup(BaseGroup):
 
     def barrier(self, barrier_options=None):
         self._barriers += 1             # every rank counts its barriers alike: same key
-        store_barrier(self._gstore, f"rr_barrier{self._barriers}", self.rank,
+        store_barrier(self.store.keys, f"rr_barrier{self._barriers}", self.rank,
                       self.world_size, self._forever(), "barrier")
 
     def broadcast(self, tensor, broadcast_options=None):
@@ -539,7 +387,7 @@ class TorchNCCLGroup(TorchPGGroup):
         except Exception as e:
             raise TransportError(
                 f"group {self.group_name!r}: NCCL could not connect rank {self.rank} on "
-                f"{self.device} ({_gpu_name(self.device)}): {_cause(e)}") from None
+                f"{self.device} ({gpu_name(self.device)}): {cause(e)}") from None
 
     def isend(self, tensor: torch.Tensor, peer: int) -> Pending:
         return self._p2p(self.pg.send, tensor, peer)
@@ -592,7 +440,7 @@ class TorchNCCLGroup(TorchPGGroup):
             except RuntimeError as e:
                 self._check_store()
                 self._raise_if_aborted(what)
-                raise _transport_error(what, e) from None
+                raise transport_error(what, e) from None
             if time.monotonic() >= deadline:
                 raise TransportTimeout(f"{what}: deadline passed")
             time.sleep(pause)
@@ -611,7 +459,7 @@ def abort_group(address: tuple[str, int], group_name: str, reason: str,
         try:
             client = dist.TCPStore(address[0], address[1], is_master=False,
                                    timeout=datetime.timedelta(seconds=timeout_s))
-            dist.PrefixStore(group_name + "/", client).compare_set(_ABORT_KEY, "",
+            dist.PrefixStore(group_name + "/", client).compare_set(ABORT_KEY, "",
                                                                    reason[:500])
             out["ok"] = True
         except Exception:
@@ -622,72 +470,10 @@ def abort_group(address: tuple[str, int], group_name: str, reason: str,
     return out.get("ok", False)
 
 
-def store_barrier(store, name: str, rank: int, world: int, deadline: float, what: str,
-                  check: Optional[Callable[[str], None]] = None) -> None:
-    """Wait until every rank set `name/<rank>` in `store` (or raise TransportTimeout naming the
-    missing ranks at `deadline`). `check(what)` runs between short waits (it raises to stop
-    waiting, e.g. when the group was aborted)."""
-    store.set(f"{name}/{rank}", b"1")
-    keys = [f"{name}/{r}" for r in range(world)]
-    step = 1.0 if check is None else ABORT_POLL_S
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            store.wait(keys, datetime.timedelta(seconds=max(min(left, step), 0.001)))
-            return
-        except Exception:
-            # A wait shorter than a round trip to the store times out even once every key is
-            # there (a link with a few hundred ms of delay): ask whether they are.
-            if _has(store, keys):
-                return
-            if check is not None:
-                check(what)
-            if time.monotonic() >= deadline:
-                missing = [r for r, k in enumerate(keys) if not _has(store, k)]
-                raise TransportTimeout(f"{what}: ranks {missing} did not arrive") from None
-
-
-def _has(store, keys) -> bool:
-    """Whether `store` holds every key of `keys` (a key or a list of them)."""
-    try:
-        return store.check(keys if isinstance(keys, list) else [keys])
-    except Exception:
-        return False
-
 
 def _host_like(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available())
 
-
-def _gpu_name(device) -> str:
-    try:
-        p = torch.cuda.get_device_properties(device)
-        return f"{p.name}, uuid {p.uuid}"
-    except Exception:
-        return "unknown GPU"
-
-
-def _cause(e: BaseException) -> str:
-    """An exception's message on one line, with its most telling parts first: NCCL puts the
-    reason after a "Last error:" line, which the first line alone would lose."""
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    if not lines:
-        return type(e).__name__
-    picked = [lines[0]]
-    for i, ln in enumerate(lines[1:], 1):
-        if ln.lower().startswith("last error"):
-            rest = ln.split(":", 1)[1].strip() if ":" in ln else ""
-            picked.append(rest or (lines[i + 1] if i + 1 < len(lines) else ""))
-        elif ln.lower().startswith(("nccl", "cuda error")):
-            picked.append(ln)
-    return " | ".join(p for p in picked if p)[:600]
-
-
-def _transport_error(what: str, e: BaseException) -> TransportError:
-    msg = str(e)
-    if "Timed out" in msg or "timeout" in msg.lower():
-        return TransportTimeout(f"{what}: timed out ({_cause(e)})")
-    return TransportError(f"{what}: {_cause(e)}")
 
 
 def ensure_registered() -> None:
@@ -713,6 +499,6 @@ def wait(work, deadline: float, what: str) -> None:
     try:
         ok = work.wait(datetime.timedelta(seconds=max(left, 0.001)))
     except RuntimeError as e:
-        raise _transport_error(what, e) from None
+        raise transport_error(what, e) from None
     if ok is False:
         raise TransportTimeout(f"{what}: timed out")
