@@ -49,13 +49,14 @@ import torch
 from .._gc import gc_paused
 from ..planning.plan import Plan, plan as make_plan
 from ..planning.share import build_share
-from ..planning.planner import Endpoint
+from ..planning.moves import Endpoint
 from ..execution import regions
-from ..execution.program import Part, Program, Step, compile_program, per_item_min_bytes
+from ..execution.part import Part
+from ..execution.program import Program, Step, compile_program, per_item_min_bytes
 from ..models import VLLM, Megatron, Recipe
 from ..runtime.channel import LoopbackChannel
 from ..runtime.executor import Transports, default_window, run_program
-from ..runtime.worker import storage_signature
+from ..runtime.local_check import storage_signature
 from ..cli_args import DEEPSEEK_V3, Parser, QWEN3_235B, output_file
 from .model_bytes import DSV3_PP16, QWEN3_PP8
 
@@ -290,6 +291,7 @@ def actor_step(path: str, side: str, rank: int, n_src: int, n_dst: int,
     then the runtime's own `worker.install` (localize the plan, build the shard table,
     compile this process's program), with one process per rank as the group has it."""
     from ..runtime import worker
+    from ..runtime.process_state import hold_state
 
     with open(path, "rb") as f:
         blob = f.read()
@@ -297,7 +299,7 @@ def actor_step(path: str, side: str, rank: int, n_src: int, n_dst: int,
     ep_pid = {Endpoint("src", r): r for r in range(n_src)}
     ep_pid.update({Endpoint("dst", r): n_src + r for r in range(n_dst)})
     me = ep_pid[Endpoint(side, rank)]
-    worker.hold_state("bench", me, ep_pid, bucket_bytes)
+    hold_state("bench", me, ep_pid, bucket_bytes)
     gc.collect()          # an actor at rest: no garbage pending from starting this process
     t0 = time.process_time()
     q = pickle.loads(blob)

@@ -1,101 +1,24 @@
 """Code that runs inside user actors (shipped with `actor.__ray_call__`; nobody subclasses).
 
-Each function takes the actor instance first. Per-group state lives in `_GROUPS` in the actor's
+Each function takes the actor instance first. Per-group state lives in `GROUPS` in the actor's
 process: the collective group, shared-memory rings to peers on the node, and installed programs
 (this process's part of a plan, shipped once and reused by every later refit of that plan).
 """
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import torch
 
-from ..layout import quant
-from ..execution.overlap import overlapping_pairs, overlaps_itself
 from .._gc import gc_paused
 from ..planning.plan import Plan
-from ..errors import GroupStateLost
 from . import strategies
+from .local_check import check_tensors, local_tensors
+from .process_state import (GROUPS, InstalledProgram, ProcessGroup, Shard, group_state,
+                            program_bytes)
 from .transport import torch_pg
-
-_GROUPS: dict[str, "_WorkerGroup"] = {}
-
-
-def _group(group_id: str) -> "_WorkerGroup":
-    wg = _GROUPS.get(group_id)
-    if wg is None:
-        raise GroupStateLost(
-            f"process {os.getpid()} holds no state for reshard group {group_id[:12]}: the actor "
-            f"restarted (Ray max_restarts) or left the group, and lost its collective group and "
-            f"programs; call ReshardGroup.update() (same or replacement actors) to rebuild them")
-    return wg
-
-
-class _Shard:
-    """One shard this process holds in a program: where it lives and what it must look like
-    (one per held tensor: tens of thousands at scale, hence slots and a plain constructor)."""
-
-    __slots__ = ("key", "name", "spec", "slot", "sizes", "dtype")
-
-    def __init__(self, key: tuple, name: str, spec: Any, slot: Any, sizes: tuple,
-                 dtype: torch.dtype):
-        self.key = key                    # (side, rank, tensor)
-        self.name = name
-        self.spec = spec
-        self.slot = slot
-        self.sizes = sizes
-        self.dtype = dtype
-
-
-@dataclass
-class _Program:
-    plan: Plan
-    held: list[tuple[str, int, int]]      # (side, rank, tensor) shards this process holds
-    strategy: Any = None                  # the strategy object (strategies.STRATEGIES)
-    compiled: Any = None                  # what the strategy compiled for this process
-    shards: list = field(default_factory=list)
-    storages: tuple = ()                  # local tensor names the shards live in
-    # The last validation that found no problem: (what the local tensors looked like, shard
-    # views, aliased source keys). Reused while every local tensor keeps its memory and layout.
-    checked: Any = None
-    dst_storages: tuple = ()              # local tensor names the destination shards live in
-    checked_dst: Any = None               # `checked` of the destination shards alone
-    nbytes: int = 0                       # memory of its objects, once measured (program_bytes)
-    baselines: Any = None                 # delta refits: what it sent last (delta.Baselines)
-
-
-@dataclass
-class _WorkerGroup:
-    group_id: str
-    group_name: str
-    pid: int
-    endpoints: frozenset
-    ep_pid: dict
-    device: torch.device
-    tensors_fn: Optional[Callable]
-    bucket_bytes: int
-    pg: Any = None
-    window: Optional[int] = None      # network buckets in flight (None: from bucket_bytes)
-    rings_out: dict = field(default_factory=dict)
-    rings_in: dict = field(default_factory=dict)
-    programs: dict = field(default_factory=dict)
-    version: int = 0
-    staged: Any = None                # (version, [(destination view, staged copy)]) until commit
-    # After an atomic commit, until the driver confirms every destination committed: the
-    # version before it and the (destination view, its old contents) pairs to roll back to.
-    undo: Any = None
-    captured: Any = None              # (program key, {source key: copy}) for an overlapped refit
-    # A non-atomic refit this process finished: it becomes `version` once the driver says every
-    # process finished it (the `committed` argument of the next call), so one call per refit.
-    done: Optional[int] = None
-    # The version whose bytes this process's destination shards hold, as far as delta refits
-    # are concerned: None when not known (joined, a refit failed part-way or is running).
-    held: Optional[int] = None
-
 
 def probe(actor) -> dict:
     """Where this actor runs: node, process, device."""
@@ -118,7 +41,7 @@ def setup(actor, group_id: str, group_name: str, world: int, pid: int, backend: 
                               group_name=group_name)
     pg = col.get_group_handle(group_name)
     eps = frozenset(ep for ep, p in ep_pid.items() if p == pid)
-    _GROUPS[group_id] = _WorkerGroup(group_id, group_name, pid, eps, dict(ep_pid),
+    GROUPS[group_id] = ProcessGroup(group_id, group_name, pid, eps, dict(ep_pid),
                                      torch.device(device), tensors_fn, bucket_bytes, pg,
                                      version=version, window=window)
     return {"proc": pid, "store": pg.store_address}
@@ -130,7 +53,7 @@ def attach_rings(actor, group_id: str, out: dict, inn: dict, gpu: bool = False) 
         from .transport.cuda_ipc import CudaIpcRing as Ring
     else:
         from .transport.shm import ShmRing as Ring
-    wg = _group(group_id)
+    wg = group_state(group_id)
     for rings, names, receiving in ((wg.rings_out, out, False), (wg.rings_in, inn, True)):
         for peer, name in names.items():
             old = rings.get(peer)
@@ -148,7 +71,7 @@ def install(actor, group_id: str, key, plan: Plan, transfers: Optional[list],
     """Compile and cache this process's program for plan `key` from the plan alone (or from
     `transfers`, this process's share, when given). Returns {peer process: largest bucket this
     process sends it outside the network}, for sizing shared-memory rings."""
-    wg = _group(group_id)
+    wg = group_state(group_id)
     # The specs, one shard per held tensor and the compiled program are acyclic objects (tens
     # of thousands at scale): one collector pass once they are built, not passes rescanning
     # them while they grow.
@@ -180,11 +103,11 @@ def install(actor, group_id: str, key, plan: Plan, transfers: Optional[list],
                         dtype = spec.dtype
                         if spec.quant is not None:
                             scales.append(spec.quant.scale_storage(slot.storage))
-                    shards.append(_Shard(shard, name, spec, slot, box.sizes, dtype))
+                    shards.append(Shard(shard, name, spec, slot, box.sizes, dtype))
         names = dst_names + src_names + scales
         dst_names += scales
         strat = strategies.STRATEGIES[strategy]
-        prog = _Program(plan, held, strat, shards=shards,
+        prog = InstalledProgram(plan, held, strat, shards=shards,
                         storages=tuple(dict.fromkeys(names)),
                         dst_storages=tuple(dict.fromkeys(dst_names)))
         prog.compiled = strat.install(plan, wg, transfers)
@@ -192,226 +115,6 @@ def install(actor, group_id: str, key, plan: Plan, transfers: Optional[list],
     wg.programs[key] = prog
     return ring
 
-
-def object_bytes(root) -> int:
-    """Bytes of the Python objects reachable from `root` (each counted once). Tensors count
-    as objects only (their memory is the user's or counted apart); classes, modules, functions
-    and the group's shared state (transports, the worker group) are not followed."""
-    import gc
-    import sys
-    import types
-    stop = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
-            types.MethodType, _WorkerGroup)
-    seen, stack, total = set(), [root], 0
-    while stack:
-        o = stack.pop()
-        if id(o) in seen or isinstance(o, stop):
-            continue
-        seen.add(id(o))
-        mod = type(o).__module__ or ""
-        if mod.startswith(__package__ + ".transport"):
-            continue
-        total += sys.getsizeof(o)
-        if not isinstance(o, torch.Tensor):
-            stack.extend(gc.get_referents(o))
-    return total
-
-
-def program_bytes(prog: _Program) -> int:
-    """Memory one installed program holds in this process: its objects (the plan it was
-    compiled from, the compiled steps, the shard table; measured once, a walk over them that
-    costs about as much as compiling) and the buffers its runs allocated (block-FP8 shards
-    quantised on arrival keep a source-dtype buffer)."""
-    if not prog.nbytes:
-        prog.nbytes = object_bytes(prog)
-    finishers = getattr(prog.compiled, "finishers", None) or ()
-    return prog.nbytes + sum(f.buffer.untyped_storage().nbytes() for f in finishers
-                             if f.buffer is not None)
-
-
-class UserCodeFailed(Exception):
-    """The user's tensor lookup (`tensors(actor)` or `actor.reshard_tensors()`) raised: a fault
-    of that process (OOM, a bug, a lost device), not a spec that does not match its tensors.
-    The exception it raised is the `__cause__`."""
-
-    def __init__(self, what: str, error: BaseException):
-        super().__init__(f"{what} raised {type(error).__name__}: {error}")
-        self.what = what
-
-
-def _storage(actor, wg: _WorkerGroup) -> dict:
-    """The actor's local tensors, looked up anew (trainers rebind parameter storage)."""
-    if wg.tensors_fn is not None:
-        call, what = (lambda: wg.tensors_fn(actor)), "tensors(actor)"
-    elif hasattr(actor, "reshard_tensors"):
-        call, what = actor.reshard_tensors, f"{type(actor).__name__}.reshard_tensors()"
-    else:
-        raise TypeError(f"{type(actor).__name__} has no reshard_tensors() method and the group "
-                        f"was built without tensors=")
-    try:
-        got = call()
-    except Exception as e:
-        raise UserCodeFailed(what, e) from e
-    if not isinstance(got, dict):
-        raise TypeError(f"tensors of {type(actor).__name__} must be a dict name -> tensor, "
-                        f"got {type(got).__name__}")
-    return got
-
-
-def storage_signature(storage: dict, names: tuple) -> tuple:
-    """What the local tensors `names` of `storage` look like: their memory and layout. Equal
-    signatures mean the shard views cut from them last time are still the same memory: a
-    refit's check costs one signature per local tensor (and a copy of the view table) then."""
-    sig = []
-    for n in names:
-        t = storage.get(n)
-        if isinstance(t, torch.Tensor):
-            sig.append((t.data_ptr(), t.dtype, t.device, t.shape, t.stride(),
-                        t.untyped_storage().nbytes()))
-        else:
-            sig.append(type(t))
-    return tuple(sig)
-
-
-def _views(actor, wg: _WorkerGroup, prog: _Program, sources: bool = True
-           ) -> tuple[dict, list[str], list, Any]:
-    """(side, rank, tensor) -> shard view, every problem found (nothing is written), the
-    source shards that share memory with a destination shard of this process, and a token
-    naming these view objects (the same while they are reused). Validation runs in full only
-    when a local tensor changed memory or layout since the last one that passed. With
-    `sources` False only destination shards are looked at (an overlapped refit sends the
-    sources' captured copies)."""
-    shards = prog.shards if sources else [sh for sh in prog.shards if sh.key[0] == "dst"]
-    if not shards:                    # sources captured, no destination here: nothing live
-        return {}, [], [], None
-    storage = _storage(actor, wg)
-    sig = storage_signature(storage, prog.storages if sources else prog.dst_storages)
-    checked = prog.checked if sources else prog.checked_dst
-    if checked is not None and checked[0] == sig:
-        return dict(checked[1]), [], checked[2], checked[3]
-    views, errors = {}, []
-    plan = prog.plan
-    for sh in shards:
-        side, rank, ti = sh.key
-        slot, spec = sh.slot, sh.spec
-        where = f"{sh.name!r} on {side} rank {rank}"
-        base = storage.get(slot.storage)
-        if base is None:
-            errors.append(f"{where}: no local tensor {slot.storage!r}")
-            continue
-        if not isinstance(base, torch.Tensor):
-            errors.append(f"{where}: local {slot.storage!r} is a {type(base).__name__}, not a tensor")
-            continue
-        if base.dtype != sh.dtype:
-            errors.append(f"{where}: local {slot.storage!r} has dtype {base.dtype}, expected "
-                          f"{sh.dtype}")
-            continue
-        if base.device.type != wg.device.type:
-            errors.append(f"{where}: local {slot.storage!r} is on {base.device}, expected {wg.device}")
-            continue
-        try:
-            view = slot.view(base, sh.sizes)
-        except (IndexError, RuntimeError) as e:
-            errors.append(f"{where}: cannot place shard {sh.sizes} in local {slot.storage!r} of "
-                          f"shape {tuple(base.shape)} at {slot}: {e}")
-            continue
-        if tuple(view.shape) != sh.sizes:
-            box = spec.layout(side).box(rank, spec.shape)
-            errors.append(f"{where}: local shard has shape {tuple(view.shape)}, expected "
-                          f"{sh.sizes} (global {spec.shape}, box {box})")
-            continue
-        freed = memory_problem(view)
-        if freed:
-            errors.append(f"{where}: local {slot.storage!r} {freed}")
-            continue
-        if side == "dst" and overlaps_itself(view):
-            errors.append(f"{where}: its shard in local {slot.storage!r} (shape "
-                          f"{tuple(view.shape)}, strides {tuple(view.stride())}) overlaps itself "
-                          f"(elements share memory), so it cannot be written")
-            continue
-        views[sh.key] = view
-        if side == "dst" and spec.quant is not None:       # block FP8: the scales beside it
-            scales, problem = quant.scale_view(spec, sh.name, rank, storage, wg.device.type)
-            if scales is None:
-                errors.append(f"{where}: {problem}")
-                continue
-            freed = memory_problem(scales)
-            if freed:
-                errors.append(f"{where}: the local tensor of its {spec.quant!r} scales {freed}")
-                continue
-            views[(side, rank, ti, quant.SCALE)] = scales
-    dst_keys = [k for k in views if k[0] == "dst"]
-    if len(dst_keys) > 1:
-        for i, j in overlapping_pairs([views[k] for k in dst_keys]):
-            (ra, ta), tb = dst_keys[i][1:3], dst_keys[j][2]
-            errors.append(f"{plan.names[ta]!r} and {plan.names[tb]!r} on dst rank {ra}: their "
-                          f"local shards share memory, so one would overwrite the other")
-    if errors:
-        return views, errors, [], None
-    aliased = _aliased_sources(views)
-    token = object()
-    if sources:
-        prog.checked = (sig, dict(views), aliased, token)
-    else:
-        prog.checked_dst = (sig, dict(views), aliased, token)
-    return views, errors, aliased, token
-
-
-def memory_problem(view: torch.Tensor) -> str:
-    """What is missing behind `view` ("" when its memory is all there): a tensor whose
-    storage was freed or shrunk (`untyped_storage().resize_(0)`, as FSDP frees unsharded
-    parameters) keeps its shape, but reading or writing it fails part-way through a refit."""
-    if view.numel() == 0:
-        return ""
-    last = view.storage_offset() + sum((n - 1) * st for n, st in zip(view.shape, view.stride()))
-    need = (last + 1) * view.element_size()
-    have = view.untyped_storage().nbytes()
-    if have >= need:
-        return ""
-    return (f"has no memory behind its shard: its storage holds {have} bytes, the shard needs "
-            f"{need} (freed, e.g. by untyped_storage().resize_(0) as FSDP frees unsharded "
-            f"parameters; reallocate it before the refit)")
-
-
-def _check(actor, wg: _WorkerGroup, prog: _Program, sources: bool = True
-           ) -> tuple[dict, list[str], list, Any, Optional[dict]]:
-    """`_views`, plus the fault of a user's lookup that raised (None if none): a lookup that
-    returns something unusable is a problem like any other, one that raises is a fault."""
-    ranks = ", ".join(f"{ep.side} rank {ep.rank}"
-                      for ep in sorted(wg.endpoints, key=lambda ep: (ep.side != "src", ep.rank)))
-    try:
-        return (*_views(actor, wg, prog, sources), None)
-    except UserCodeFailed as e:
-        return {}, [], [], None, _fault(e.__cause__, f"process {wg.pid} ({ranks}): {e}")
-    except Exception as e:
-        return {}, [f"process {wg.pid} ({ranks}): looking up local tensors failed: "
-                    f"{type(e).__name__}: {e}"], [], None, None
-
-
-def _fault(error: BaseException, text: str) -> dict:
-    """A fault as the driver gets it: its text, and the exception itself when it pickles (else
-    a RuntimeError with its type, text and traceback)."""
-    import traceback
-
-    from ray import cloudpickle
-    try:
-        cloudpickle.loads(cloudpickle.dumps(error))
-        shipped = error
-    except Exception:
-        tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-        shipped = RuntimeError(f"{type(error).__name__}: {error}\n{tb}")
-    return {"text": text, "error": shipped}
-
-
-def _aliased_sources(views: dict) -> list:
-    """Keys of source shards that share memory with a destination shard of this process
-    (colocated refits: the same actor on both sides, writing where it reads)."""
-    src_keys = [k for k in views if k[0] == "src"]
-    dst_keys = [k for k in views if k[0] == "dst"]
-    if not src_keys or not dst_keys:
-        return []
-    pairs = overlapping_pairs([views[k] for k in src_keys], [views[k] for k in dst_keys])
-    return sorted({src_keys[i] for i, _ in pairs})
 
 
 # Destinations may be parameters that require grad, or inference tensors (engines allocate
@@ -438,7 +141,7 @@ def run(actor, group_id: str, key, timeout_s: float, version: int, atomic: bool 
     (see delta.py). Any failure here aborts this process's channels, so peers
     fail at once.
     """
-    wg = _group(group_id)
+    wg = group_state(group_id)
     _settle_version(wg, committed)
     t0 = time.perf_counter()
     deadline = time.monotonic() + timeout_s
@@ -454,7 +157,7 @@ def run(actor, group_id: str, key, timeout_s: float, version: int, atomic: bool 
             if captured is not None and captured[0] != key:
                 raise RuntimeError(f"process {wg.pid} captured sources of another refit")
             # Captured sources are sent from their copies: the live ones are not looked at.
-            views, errors, aliased, token, fault = _check(actor, wg, prog, captured is None)
+            views, errors, aliased, token, fault = check_tensors(actor, wg, prog, captured is None)
             t_checked = time.perf_counter()
             clock = {"check": t_checked - t0}
             if vote is not None:
@@ -514,12 +217,12 @@ def run(actor, group_id: str, key, timeout_s: float, version: int, atomic: bool 
     return stats
 
 
-def _delta_run(wg: _WorkerGroup, prog: _Program, req, version: int):
+def _delta_run(wg: ProcessGroup, prog: InstalledProgram, req, version: int):
     from .delta import run_for
     return run_for(prog, req, version, wg.held, wg.device, wg.pid)
 
 
-def _settle_version(wg: _WorkerGroup, committed: Optional[int]) -> None:
+def _settle_version(wg: ProcessGroup, committed: Optional[int]) -> None:
     """Take the driver's word on the last refit: finished everywhere (`committed` is its
     version) or not (the data stays, the version does not move). Delta baselines written by
     that refit hold from now on, or not at all."""
@@ -540,9 +243,9 @@ def capture(actor, group_id: str, key, committed: Optional[int] = None) -> dict:
     overlapped refit: the trainer may change its tensors once every process captured).
     Returns {} or, when nothing was copied, {"refused": problems, "fault": a fault or None}.
     `committed`: the group's version, as for `run`."""
-    wg = _group(group_id)
+    wg = group_state(group_id)
     _settle_version(wg, committed)
-    views, errors, _, _, fault = _check(actor, wg, wg.programs[key])
+    views, errors, _, _, fault = check_tensors(actor, wg, wg.programs[key])
     if errors or fault is not None:
         return {"refused": errors, "fault": fault, "pid": wg.pid}
     copies = {k: v.clone() for k, v in views.items() if k[0] == "src"}
@@ -578,7 +281,7 @@ def commit(actor, group_id: str, version: int) -> int:
     Atomic refits swap the staged shards into place and keep the old contents until the driver
     confirms that every destination committed (`release`) or asks for them back (`rollback`).
     """
-    wg = _group(group_id)
+    wg = group_state(group_id)
     if wg.staged is None or wg.staged[0] != version:
         raise RuntimeError(f"process {wg.pid} has no completed refit v{version} to commit")
     pairs = wg.staged[1]
@@ -594,7 +297,7 @@ def commit(actor, group_id: str, version: int) -> int:
 
 def release(actor, group_id: str) -> None:
     """Every destination committed: drop what a rollback would have needed."""
-    wg = _GROUPS.get(group_id)
+    wg = GROUPS.get(group_id)
     if wg is not None:
         wg.undo = None
 
@@ -603,7 +306,7 @@ def release(actor, group_id: str) -> None:
 def rollback(actor, group_id: str) -> int:
     """A destination failed during commit: undo this process's commit (old weights and version
     back). Returns the version it holds now."""
-    wg = _GROUPS.get(group_id)
+    wg = GROUPS.get(group_id)
     if wg is None:
         return -1
     wg.staged = None
@@ -622,7 +325,7 @@ def discard(actor, group_id: str, committed: Optional[int] = None) -> None:
     """Drop staged data of a refit that failed elsewhere (the old weights stay). `committed`:
     the group's version, as for `run` (a refit refused before its run leaves the previous
     one's version standing)."""
-    wg = _GROUPS.get(group_id)
+    wg = GROUPS.get(group_id)
     if wg is not None:
         _settle_version(wg, committed)
         wg.staged = None
@@ -634,7 +337,7 @@ def discard(actor, group_id: str, committed: Optional[int] = None) -> None:
 def uninstall(actor, group_id: str, keys: list, rings: list = ()) -> None:
     """Forget programs evicted from the driver's cache, and close rings only they used
     (`rings`: (peer process, this end sends) pairs)."""
-    wg = _GROUPS.get(group_id)
+    wg = GROUPS.get(group_id)
     if wg is None:
         return
     for k in keys:
@@ -645,7 +348,7 @@ def uninstall(actor, group_id: str, keys: list, rings: list = ()) -> None:
             ring.close()
 
 
-def _abort_channels(wg: _WorkerGroup, reason: str) -> None:
+def _abort_channels(wg: ProcessGroup, reason: str) -> None:
     """Fail fast everywhere: peers blocked on this process get an error, not a hang."""
     for ring in [*wg.rings_out.values(), *wg.rings_in.values()]:
         try:
@@ -660,13 +363,13 @@ def _abort_channels(wg: _WorkerGroup, reason: str) -> None:
 
 def member_groups(actor) -> list:
     """Ids of the groups this process holds state for."""
-    return sorted(_GROUPS)
+    return sorted(GROUPS)
 
 
 def held_resources(actor, group_id: str) -> dict:
     """What this process holds for a group: installed programs (and each one's memory, see
     `program_bytes`) and mapped rings by peer."""
-    wg = _GROUPS.get(group_id)
+    wg = GROUPS.get(group_id)
     if wg is None:
         return {"member": False, "programs": 0, "rings_out": {}, "rings_in": {},
                 "program_bytes": {}}
@@ -679,9 +382,9 @@ def held_resources(actor, group_id: str) -> dict:
 def held_bytes(actor, group_id: str) -> Optional[int]:
     """Bytes of the tensors this process offers the group (each storage once), or None when
     they cannot be read now (the refit's own check then says why)."""
-    wg = _group(group_id)
+    wg = group_state(group_id)
     try:
-        storage = _storage(actor, wg)
+        storage = local_tensors(actor, wg)
     except Exception:       # noqa: BLE001  (reported, with its rank, by the refit's check)
         return None
     sizes = {}
@@ -694,7 +397,7 @@ def held_bytes(actor, group_id: str) -> Optional[int]:
 
 def version(actor, group_id: str, committed: Optional[int] = None) -> int:
     """The version this process holds (`committed`: the group's, as for `run`)."""
-    wg = _group(group_id)
+    wg = group_state(group_id)
     _settle_version(wg, committed)
     return wg.version
 
@@ -703,7 +406,7 @@ def teardown(actor, group_id: str) -> None:
     """Leave the group: close rings and destroy the collective group (idempotent)."""
     from ray.util.collective import collective as col
 
-    wg = _GROUPS.pop(group_id, None)
+    wg = GROUPS.pop(group_id, None)
     if wg is None:
         return
     for ring in [*wg.rings_out.values(), *wg.rings_in.values()]:
@@ -722,7 +425,7 @@ def raw_transfer(actor, group_id: str, sends: dict, recvs: dict, nbytes: int,
     """Send `nbytes` to each peer in `sends` and receive as much from each in `recvs` over the
     network transport, in bucket-sized messages with the executor's window; returns seconds.
     A baseline for the refit's achieved bandwidth (no packing, no planning)."""
-    wg = _group(group_id)
+    wg = group_state(group_id)
     deadline = time.monotonic() + timeout_s
     buf = torch.zeros(min(nbytes, wg.bucket_bytes), dtype=torch.uint8, device=wg.device)
     rbufs = [torch.empty_like(buf) for _ in range(2)]
@@ -753,10 +456,3 @@ def raw_ops(proc: int, sends, recvs, nbytes: int, chunk: int) -> list:
     return ops
 
 
-def hold_state(group_id: str, pid: int, ep_pid: dict, bucket_bytes: int,
-               device: str = "cpu") -> None:
-    """Hold a group's per-process state without joining a collective group: enough for
-    `install` to run on its own in this process (benchmarks timing a first refit's install)."""
-    eps = frozenset(ep for ep, p in ep_pid.items() if p == pid)
-    _GROUPS[group_id] = _WorkerGroup(group_id, "", pid, eps, dict(ep_pid), torch.device(device),
-                                     None, bucket_bytes)

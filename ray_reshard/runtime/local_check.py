@@ -1,0 +1,197 @@
+"""Checking a process's local tensors against its installed program: every shard's view,
+every problem named (nothing written), reused while the tensors keep their memory."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ..execution.overlap import overlapping_pairs, overlaps_itself
+from ..layout import quant
+from .process_state import InstalledProgram, ProcessGroup
+
+
+class UserCodeFailed(Exception):
+    """The user's tensor lookup (`tensors(actor)` or `actor.reshard_tensors()`) raised: a fault
+    of that process (OOM, a bug, a lost device), not a spec that does not match its tensors.
+    The exception it raised is the `__cause__`."""
+
+    def __init__(self, what: str, error: BaseException):
+        super().__init__(f"{what} raised {type(error).__name__}: {error}")
+        self.what = what
+
+
+def local_tensors(actor, wg: ProcessGroup) -> dict:
+    """The actor's local tensors, looked up anew (trainers rebind parameter storage)."""
+    if wg.tensors_fn is not None:
+        call, what = (lambda: wg.tensors_fn(actor)), "tensors(actor)"
+    elif hasattr(actor, "reshard_tensors"):
+        call, what = actor.reshard_tensors, f"{type(actor).__name__}.reshard_tensors()"
+    else:
+        raise TypeError(f"{type(actor).__name__} has no reshard_tensors() method and the group "
+                        f"was built without tensors=")
+    try:
+        got = call()
+    except Exception as e:
+        raise UserCodeFailed(what, e) from e
+    if not isinstance(got, dict):
+        raise TypeError(f"tensors of {type(actor).__name__} must be a dict name -> tensor, "
+                        f"got {type(got).__name__}")
+    return got
+
+
+def storage_signature(storage: dict, names: tuple) -> tuple:
+    """What the local tensors `names` of `storage` look like: their memory and layout. Equal
+    signatures mean the shard views cut from them last time are still the same memory: a
+    refit's check costs one signature per local tensor (and a copy of the view table) then."""
+    sig = []
+    for n in names:
+        t = storage.get(n)
+        if isinstance(t, torch.Tensor):
+            sig.append((t.data_ptr(), t.dtype, t.device, t.shape, t.stride(),
+                        t.untyped_storage().nbytes()))
+        else:
+            sig.append(type(t))
+    return tuple(sig)
+
+
+def shard_views(actor, wg: ProcessGroup, prog: InstalledProgram, sources: bool = True
+           ) -> tuple[dict, list[str], list, Any]:
+    """(side, rank, tensor) -> shard view, every problem found (nothing is written), the
+    source shards that share memory with a destination shard of this process, and a token
+    naming these view objects (the same while they are reused). Validation runs in full only
+    when a local tensor changed memory or layout since the last one that passed. With
+    `sources` False only destination shards are looked at (an overlapped refit sends the
+    sources' captured copies)."""
+    shards = prog.shards if sources else [sh for sh in prog.shards if sh.key[0] == "dst"]
+    if not shards:                    # sources captured, no destination here: nothing live
+        return {}, [], [], None
+    storage = local_tensors(actor, wg)
+    sig = storage_signature(storage, prog.storages if sources else prog.dst_storages)
+    checked = prog.checked if sources else prog.checked_dst
+    if checked is not None and checked[0] == sig:
+        return dict(checked[1]), [], checked[2], checked[3]
+    views, errors = {}, []
+    plan = prog.plan
+    for sh in shards:
+        side, rank, ti = sh.key
+        slot, spec = sh.slot, sh.spec
+        where = f"{sh.name!r} on {side} rank {rank}"
+        base = storage.get(slot.storage)
+        if base is None:
+            errors.append(f"{where}: no local tensor {slot.storage!r}")
+            continue
+        if not isinstance(base, torch.Tensor):
+            errors.append(f"{where}: local {slot.storage!r} is a {type(base).__name__}, not a tensor")
+            continue
+        if base.dtype != sh.dtype:
+            errors.append(f"{where}: local {slot.storage!r} has dtype {base.dtype}, expected "
+                          f"{sh.dtype}")
+            continue
+        if base.device.type != wg.device.type:
+            errors.append(f"{where}: local {slot.storage!r} is on {base.device}, expected {wg.device}")
+            continue
+        try:
+            view = slot.view(base, sh.sizes)
+        except (IndexError, RuntimeError) as e:
+            errors.append(f"{where}: cannot place shard {sh.sizes} in local {slot.storage!r} of "
+                          f"shape {tuple(base.shape)} at {slot}: {e}")
+            continue
+        if tuple(view.shape) != sh.sizes:
+            box = spec.layout(side).box(rank, spec.shape)
+            errors.append(f"{where}: local shard has shape {tuple(view.shape)}, expected "
+                          f"{sh.sizes} (global {spec.shape}, box {box})")
+            continue
+        freed = memory_problem(view)
+        if freed:
+            errors.append(f"{where}: local {slot.storage!r} {freed}")
+            continue
+        if side == "dst" and overlaps_itself(view):
+            errors.append(f"{where}: its shard in local {slot.storage!r} (shape "
+                          f"{tuple(view.shape)}, strides {tuple(view.stride())}) overlaps itself "
+                          f"(elements share memory), so it cannot be written")
+            continue
+        views[sh.key] = view
+        if side == "dst" and spec.quant is not None:       # block FP8: the scales beside it
+            scales, problem = quant.scale_view(spec, sh.name, rank, storage, wg.device.type)
+            if scales is None:
+                errors.append(f"{where}: {problem}")
+                continue
+            freed = memory_problem(scales)
+            if freed:
+                errors.append(f"{where}: the local tensor of its {spec.quant!r} scales {freed}")
+                continue
+            views[(side, rank, ti, quant.SCALE)] = scales
+    dst_keys = [k for k in views if k[0] == "dst"]
+    if len(dst_keys) > 1:
+        for i, j in overlapping_pairs([views[k] for k in dst_keys]):
+            (ra, ta), tb = dst_keys[i][1:3], dst_keys[j][2]
+            errors.append(f"{plan.names[ta]!r} and {plan.names[tb]!r} on dst rank {ra}: their "
+                          f"local shards share memory, so one would overwrite the other")
+    if errors:
+        return views, errors, [], None
+    aliased = aliased_sources(views)
+    token = object()
+    if sources:
+        prog.checked = (sig, dict(views), aliased, token)
+    else:
+        prog.checked_dst = (sig, dict(views), aliased, token)
+    return views, errors, aliased, token
+
+
+def memory_problem(view: torch.Tensor) -> str:
+    """What is missing behind `view` ("" when its memory is all there): a tensor whose
+    storage was freed or shrunk (`untyped_storage().resize_(0)`, as FSDP frees unsharded
+    parameters) keeps its shape, but reading or writing it fails part-way through a refit."""
+    if view.numel() == 0:
+        return ""
+    last = view.storage_offset() + sum((n - 1) * st for n, st in zip(view.shape, view.stride()))
+    need = (last + 1) * view.element_size()
+    have = view.untyped_storage().nbytes()
+    if have >= need:
+        return ""
+    return (f"has no memory behind its shard: its storage holds {have} bytes, the shard needs "
+            f"{need} (freed, e.g. by untyped_storage().resize_(0) as FSDP frees unsharded "
+            f"parameters; reallocate it before the refit)")
+
+
+def check_tensors(actor, wg: ProcessGroup, prog: InstalledProgram, sources: bool = True
+           ) -> tuple[dict, list[str], list, Any, Optional[dict]]:
+    """`_views`, plus the fault of a user's lookup that raised (None if none): a lookup that
+    returns something unusable is a problem like any other, one that raises is a fault."""
+    ranks = ", ".join(f"{ep.side} rank {ep.rank}"
+                      for ep in sorted(wg.endpoints, key=lambda ep: (ep.side != "src", ep.rank)))
+    try:
+        return (*shard_views(actor, wg, prog, sources), None)
+    except UserCodeFailed as e:
+        return {}, [], [], None, fault_of(e.__cause__, f"process {wg.pid} ({ranks}): {e}")
+    except Exception as e:
+        return {}, [f"process {wg.pid} ({ranks}): looking up local tensors failed: "
+                    f"{type(e).__name__}: {e}"], [], None, None
+
+
+def fault_of(error: BaseException, text: str) -> dict:
+    """A fault as the driver gets it: its text, and the exception itself when it pickles (else
+    a RuntimeError with its type, text and traceback)."""
+    import traceback
+
+    from ray import cloudpickle
+    try:
+        cloudpickle.loads(cloudpickle.dumps(error))
+        shipped = error
+    except Exception:
+        tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        shipped = RuntimeError(f"{type(error).__name__}: {error}\n{tb}")
+    return {"text": text, "error": shipped}
+
+
+def aliased_sources(views: dict) -> list:
+    """Keys of source shards that share memory with a destination shard of this process
+    (colocated refits: the same actor on both sides, writing where it reads)."""
+    src_keys = [k for k in views if k[0] == "src"]
+    dst_keys = [k for k in views if k[0] == "dst"]
+    if not src_keys or not dst_keys:
+        return []
+    pairs = overlapping_pairs([views[k] for k in src_keys], [views[k] for k in dst_keys])
+    return sorted({src_keys[i] for i, _ in pairs})
+
