@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from .planning.plan import Plan
-from .planning.planner import DOMAIN, LOCAL, NETWORK
+from .planning.moves import DOMAIN, LOCAL, NETWORK
 
 PATH_COLOURS = {NETWORK: "#d95f02", DOMAIN: "#1b9e77", LOCAL: "#7570b3"}
 

@@ -22,7 +22,7 @@ from typing import Any, Optional
 from .execution.delta import KINDS, expected_encoding, granule
 from .planning.plan import DEFAULT_BUCKET_BYTES, Plan
 from .planning.schedule import default_window, network_bucket_counts, network_entries
-from .planning.planner import NETWORK, PATHS
+from .planning.moves import NETWORK, PATHS
 
 
 def traffic(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES, top: int = 3,

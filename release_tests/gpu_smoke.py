@@ -33,7 +33,7 @@ import torch
 
 import ray
 import ray_reshard as rr
-from ray_reshard.planning.planner import Endpoint
+from ray_reshard.planning.moves import Endpoint
 from ray_reshard.execution.program import SEND, compile_program
 from ray_reshard.layout.placement import Replicate, Shard
 

@@ -28,7 +28,7 @@ from ray_reshard.cli_args import (DEEPSEEK_V3, QWEN3_235B, even_out_stages, mode
                                   positive_int)
 from ray_reshard._gc import gc_paused
 from ray_reshard.planning.plan import Plan
-from ray_reshard.planning.planner import Endpoint
+from ray_reshard.planning.moves import Endpoint
 from ray_reshard.execution.program import SEND, compile_program
 from ray_reshard.execution.fp8 import reference_quantize
 from ray_reshard.layout.quant import scale_view

@@ -184,7 +184,7 @@ def raw_bandwidth(group, nbytes_per_pair: int, pairs=None) -> float:
     (sender process, receiver process) pairs instead."""
     import ray
 
-    from ..planning.planner import Endpoint
+    from ..planning.moves import Endpoint
     from ..runtime import worker
     from ..runtime.protocol import default_timeout_s
 

@@ -15,7 +15,7 @@ import torch
 from ray_reshard.cli_args import Parser, positive_int
 from ray_reshard.layout import Layout, Mesh, Replicate, Shard, TensorSpec
 from ray_reshard.planning import plan
-from ray_reshard.planning.planner import clear_caches, plan_tensor
+from ray_reshard.planning.canonical import clear_caches, plan_tensor
 
 HIDDEN = 7168
 VOCAB = 129280

@@ -45,7 +45,7 @@ from .._gc import gc_paused
 from ..planning.plan import Plan
 from ..planning.schedule import Transfer, parent_key, run_order
 from ..planning.share import build_share
-from ..planning.planner import NETWORK, Endpoint
+from ..planning.moves import NETWORK, Endpoint
 
 SEND, RECV, COPY = "send", "recv", "copy"
 

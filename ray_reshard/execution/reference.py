@@ -14,7 +14,7 @@ import torch
 
 from .pack import shard_view
 from ..planning.plan import DEFAULT_BUCKET_BYTES, Plan
-from ..planning.planner import Endpoint
+from ..planning.moves import Endpoint
 from .program import COPY, SEND, compile_program
 from ..layout.quant import WIDE, scale_view
 

@@ -12,7 +12,9 @@ import numpy as np
 from .._gc import gc_paused
 from ..layout.slots import pack_slot_tables, unpack_slot_tables
 from ..layout.spec import TensorSpec
-from .planner import Endpoint, Move, PlanError, TensorPlan, Topology, plan_tensor
+from .canonical import plan_tensor
+from .moves import Endpoint, Move, PlanError, Topology
+from .tensor_plan import TensorPlan
 from .schedule import (DEADLINE_EVERY, Schedule, build_schedule, check_deadline,
                        network_turns)
 

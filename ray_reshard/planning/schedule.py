@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Iterable, Mapping, Optional, Sequence
 
 from .._gc import gc_paused
 from ..layout.box import Box
-from .planner import DOMAIN, LOCAL, NETWORK, Endpoint
+from .moves import DOMAIN, LOCAL, NETWORK, Endpoint
 
 if TYPE_CHECKING:
     from .plan import Plan

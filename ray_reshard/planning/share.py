@@ -7,7 +7,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Iterable
 
 from .._gc import gc_paused
-from .planner import NETWORK, Endpoint
+from .moves import NETWORK, Endpoint
 from .schedule import (Transfer, forward_transfers, items_of, pack_entries, make_transfer, bucket_keys, bucket_starts,
                        forward_segment)
 

@@ -31,7 +31,7 @@ import torch
 
 from ..execution import delta as codec
 from ..execution.program import SEND, RECV
-from ..planning.planner import NETWORK
+from ..planning.moves import NETWORK
 
 BASELINE_PLACES = ("device", "host")
 HEADER = 3                      # int64 per bucket: encoding, payload bytes, checksum

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..planning.plan import Plan
-from ..planning.planner import Endpoint
+from ..planning.moves import Endpoint
 from .transport import torch_pg
 
 

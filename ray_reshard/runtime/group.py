@@ -14,7 +14,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ..errors import GroupStateLost, RefitError
 from ..layout.spec import TensorSpec
 from ..planning.plan import DEFAULT_BUCKET_BYTES
-from ..planning.planner import Endpoint
+from ..planning.moves import Endpoint
 from ..planning.schedule import DEFAULT_STAGING_BYTES, MAX_WINDOW, default_window
 from . import membership, metrics, worker
 from .delta import BASELINE_PLACES

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import ray
 
-from ..planning.planner import Endpoint
+from ..planning.moves import Endpoint
 from . import worker
 
 

@@ -39,7 +39,7 @@ import numpy as np
 from ..execution.delta import (CHUNK, DENSE, KINDS, MOSTLY_CHANGED, SAME, expected_encoding,
                                granule, probe_from)
 from ..planning.plan import Plan
-from ..planning.planner import NETWORK
+from ..planning.moves import NETWORK
 from .cluster import Cluster
 from .engine import FORWARD_ORDER, PATH_CODE, Messages, replay
 

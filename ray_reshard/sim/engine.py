@@ -93,7 +93,7 @@ from ..planning.plan import DEFAULT_BUCKET_BYTES, Plan
 from ..planning.schedule import (MAX_WINDOW, bucket_keys, default_window, forward_key,
                                  forward_segment, group_span, is_forward_key, parent_key,
                                  segment_rotations)
-from ..planning.planner import DOMAIN, LOCAL, NETWORK
+from ..planning.moves import DOMAIN, LOCAL, NETWORK
 from .cluster import Cluster
 
 PATH_CODE = {NETWORK: 0, DOMAIN: 1, LOCAL: 2}   # also the key's order of the paths

@@ -9,7 +9,7 @@ from ray_reshard.execution.program import compile_program
 from ray_reshard.execution.reference import simulate_refit
 from ray_reshard.layout import Layout, Mesh, Replicate, Shard, TensorSpec, shard_tensor
 from ray_reshard.planning import plan
-from ray_reshard.planning.planner import Endpoint
+from ray_reshard.planning.moves import Endpoint
 
 
 def _contiguous(seed):

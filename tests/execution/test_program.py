@@ -6,7 +6,7 @@ import torch
 from ray_reshard.layout import Layout, Mesh, Replicate, Shard, TensorSpec, shard_tensor
 from ray_reshard.planning import plan
 from ray_reshard.execution.pack import shard_view
-from ray_reshard.planning.planner import Endpoint
+from ray_reshard.planning.moves import Endpoint
 from ray_reshard.execution.program import RECV, SEND, compile_program
 
 

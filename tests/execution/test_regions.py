@@ -342,7 +342,7 @@ def test_kernel_source_on_the_host_copies_locally_like_torch(kernel_on_host, see
 def test_colocated_refit_copies_locally_through_copy_tables():
     """Sources and destinations sharing processes (colocated): the local copies go through
     copy tables of region pairs (one launch per step), bit-exact with the foreach path."""
-    from ray_reshard.planning.planner import Endpoint
+    from ray_reshard.planning.moves import Endpoint
     specs, _ = _layouts_case()
     p = plan(specs, src_domains=["a", "a", "b", "b"], dst_domains=["a", "a", "b"],
              src_devices=[0, 1, 2, 3], dst_devices=[0, 1, 2])
@@ -377,7 +377,7 @@ def test_cuda_kernel_copies_locally_like_torch():
 def test_cuda_refits_with_copy_tables_are_bit_exact(bucket):
     """Whole refits on the GPU (the default engine: copy tables), colocated processes included."""
     from ray_reshard.execution import cuda_copy
-    from ray_reshard.planning.planner import Endpoint
+    from ray_reshard.planning.moves import Endpoint
     assert cuda_copy.available(), cuda_copy.why_not()
     specs, _ = _layouts_case()
     p = plan(specs, src_domains=["a", "a", "b", "b"], dst_domains=["a", "a", "b"],
@@ -402,7 +402,7 @@ def test_a_bucket_the_table_cannot_use_is_copied_with_foreach():
     for every region, with the same bytes."""
     from ray_reshard.execution.program import SEND, compile_program
     from ray_reshard.execution.pack import shard_view
-    from ray_reshard.planning.planner import Endpoint
+    from ray_reshard.planning.moves import Endpoint
     specs, p = _layouts_case()
     fulls = {n: torch.randn(s.shape).to(s.src_dtype or s.dtype) for n, s in specs.items()}
     store = {n: shard_tensor(fulls[n], s.src, 0).clone() for n, s in specs.items()}

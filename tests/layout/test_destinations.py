@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import ray_reshard as rr
-from ray_reshard.planning.planner import Topology, plan_tensor, plan_tensor_direct
+from ray_reshard.planning.canonical import plan_tensor, plan_tensor_direct
+from ray_reshard.planning.moves import Topology
 from ray_reshard.execution.reference import simulate_refit
 
 
@@ -118,7 +119,7 @@ def test_random_unions_with_colocated_sources_are_exact_and_at_the_bound():
 
 
 def test_unions_differing_only_in_rank_ids_share_one_canonical_plan():
-    from ray_reshard.planning.planner import clear_caches, _canonical_plan
+    from ray_reshard.planning.canonical import canonical_plan, clear_caches
     clear_caches()
     topo = Topology.make(8, 8, ["s"] * 8, ["a"] * 8)
     for stage in range(2):
@@ -126,7 +127,7 @@ def test_unions_differing_only_in_rank_ids_share_one_canonical_plan():
         spec = rr.TensorSpec((16, 8), torch.float32, src,
                              rr.LayoutUnion([PREFILL, shifted(DECODE, 4)]))
         plan_tensor(spec.signature, topo)
-    assert _canonical_plan.cache_info().currsize == 1
+    assert canonical_plan.cache_info().currsize == 1
 
 
 def test_combine_destinations_offsets_ranks_and_joins_alike_tensors():

@@ -7,7 +7,8 @@ from torch.distributed.tensor import Partial as TPartial
 
 from ray_reshard.layout import Layout, Mesh, Replicate, Shard, Slot, TensorSpec, as_placement
 from ray_reshard.planning import PlanError, plan
-from ray_reshard.planning.planner import Topology, plan_tensor
+from ray_reshard.planning.canonical import plan_tensor
+from ray_reshard.planning.moves import Topology
 
 BF16 = torch.bfloat16
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from ray_reshard.layout import Layout, Mesh, Replicate, Shard, TensorSpec, shard_tensor
 from ray_reshard.planning import plan
-from ray_reshard.planning.planner import NETWORK
+from ray_reshard.planning.moves import NETWORK
 
 from test_planner_props import layouts, side_topology
 

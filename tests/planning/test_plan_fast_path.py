@@ -13,7 +13,7 @@ from ray_reshard.cli_args import DEEPSEEK_V3, QWEN3_235B
 from ray_reshard.planning import Endpoint, plan
 from ray_reshard.layout import Layout, Mesh, Replicate, Shard, Slot, TensorSpec
 from ray_reshard.planning.share import build_share
-from ray_reshard.planning.planner import plan_tensor_direct
+from ray_reshard.planning.canonical import plan_tensor_direct
 from ray_reshard.models import VLLM, Megatron, Recipe
 
 F32, BF16 = torch.float32, torch.bfloat16

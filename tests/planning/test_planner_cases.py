@@ -15,7 +15,8 @@ import torch
 
 from ray_reshard.layout import Box, Layout, Mesh, Replicate, Shard, TensorSpec, shard_tensor
 from ray_reshard.planning import Endpoint, plan
-from ray_reshard.planning.planner import DOMAIN, LOCAL, NETWORK, Topology, plan_tensor
+from ray_reshard.planning.canonical import plan_tensor
+from ray_reshard.planning.moves import DOMAIN, LOCAL, NETWORK, Topology
 from ray_reshard.execution.reference import simulate_refit
 
 F32 = torch.float32
@@ -108,6 +109,15 @@ def test_colocated_same_device_copies_are_local():
     local = [m for m in moves if m.path == LOCAL]
     assert {(m.src.rank, m.dst) for m in local} == {(0, 0), (1, 1), (2, 2), (3, 3)}
     assert p.stats.local_bytes == 4 * 2 * 4 * 4       # each dst holds 4x4; 2 rows are local
+
+
+def test_local_copy_comes_from_the_holder_on_the_destinations_own_device():
+    """Of two holders in a destination's domain, the one on its device copies locally (not the
+    domain's first holder, on another device)."""
+    spec = TensorSpec((8, 4), F32, Layout.replicated([0, 1]), Layout.replicated([0]))
+    topo = Topology.make(2, 1, ["a", "a"], ["a"], src_devices=[0, 1], dst_devices=[1])
+    moves = plan_tensor(spec.signature, topo).moves
+    assert [(m.src, m.dst, m.path) for m in moves] == [(Endpoint("src", 1), 0, LOCAL)]
 
 
 def test_mixed_dtypes_in_one_bucket_stay_aligned():

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from ray_reshard.layout import Layout, Mesh, Replicate, Shard, TensorSpec, shard_tensor
 from ray_reshard.planning import plan
 from ray_reshard.planning.share import build_share
-from ray_reshard.planning.planner import DOMAIN, LOCAL, NETWORK, Endpoint
+from ray_reshard.planning.moves import DOMAIN, LOCAL, NETWORK, Endpoint
 from ray_reshard.execution.reference import simulate_refit
 
 EXAMPLES = int(os.environ.get("RR_PROP_EXAMPLES", "120"))

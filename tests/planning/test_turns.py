@@ -15,7 +15,7 @@ from ray_reshard.planning import Endpoint, plan
 from ray_reshard.planning.schedule import (assign_turns, bucket_count, bucket_starts, group_span,
                                            network_bucket_counts, network_entries)
 from ray_reshard.planning.share import build_share
-from ray_reshard.planning.planner import NETWORK
+from ray_reshard.planning.moves import NETWORK
 
 F32 = torch.float32
 

@@ -18,7 +18,7 @@ import ray_reshard as rr
 from ray_reshard.execution.pack import shard_view
 from ray_reshard.execution.program import compile_program
 from ray_reshard.layout.placement import Replicate, Shard
-from ray_reshard.planning.planner import Endpoint
+from ray_reshard.planning.moves import Endpoint
 from ray_reshard.runtime.delta import Baselines, DeltaRun
 from ray_reshard.runtime.executor import Transports, run_program
 

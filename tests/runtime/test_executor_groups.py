@@ -15,10 +15,10 @@ import torch
 import ray_reshard as rr
 from ray_reshard.execution.pack import shard_view
 from ray_reshard.layout.placement import Replicate, Shard
-from ray_reshard.planning.planner import Endpoint
+from ray_reshard.planning.moves import Endpoint
 from ray_reshard.execution.program import SEND, compile_program
 from ray_reshard.errors import TransportTimeout
-from ray_reshard.planning.planner import NETWORK
+from ray_reshard.planning.moves import NETWORK
 from ray_reshard.runtime.channel import Channel, RingChannel
 from ray_reshard.runtime.transport.shm import ShmRing
 from ray_reshard.runtime.executor import Transports, run_program
