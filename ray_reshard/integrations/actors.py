@@ -20,37 +20,7 @@ order. A group that calls into Ray Train workers while their training function w
 Train V2, whose workers run that function in a thread and take calls meanwhile;
 `ray_reshard.integrations.ray_train.WeightSync` does all of this for vLLM engines.
 """
-from __future__ import annotations
+from ..engines.vllm.launch import vllm_worker_actors
+from ..runtime.membership import current_actor, train_worker_actors
 
-from typing import Any
-
-
-def current_actor() -> Any:
-    """The handle of the Ray actor this code runs in (Ray raises RuntimeError outside one)."""
-    import ray
-
-    return ray.get_runtime_context().current_actor
-
-
-def _worker_actor(worker) -> Any:
-    return current_actor()
-
-
-def vllm_worker_actors(llm, timeout: float | None = 60.0) -> list:
-    """Handles of an `LLM`'s Ray worker actors, in vLLM's worker rank order, through
-    ``LLM.collective_rpc`` (which runs the function on every worker and returns results by
-    rank). Needs ``distributed_executor_backend="ray"``."""
-    return list(llm.collective_rpc(_worker_actor, timeout=timeout))
-
-
-def train_worker_actors(group=None) -> list:
-    """Handles of every worker of a Ray Train run, in torch.distributed rank order; call it on
-    every worker (a collective over `group`, default the default process group)."""
-    import torch.distributed as dist
-
-    me = current_actor()
-    if not dist.is_available() or not dist.is_initialized():
-        return [me]
-    out: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, me, group=group)
-    return out
+__all__ = ["current_actor", "train_worker_actors", "vllm_worker_actors"]

@@ -11,9 +11,9 @@
             sync.push(step)                          # every worker; the engines now serve `step`
 
 Each worker's actor handle is gathered over the trainer's torch.distributed group; trainer
-rank 0 drives every refit through the vLLM backend (``ray_reshard.integrations.vllm``) while the
+rank 0 drives every refit through the vLLM backend (``ray_reshard.engines.vllm.backend``) while the
 other workers wait in `push`. The engines' callers generate through
-``ray_reshard.integrations.serving`` (``generate``, ``call``): never during a refit, each output
+``ray_reshard.engines.vllm.serving`` (``generate``, ``call``): never during a refit, each output
 labelled with the version (`push`'s step) of the weights that produced it. Needs Ray Train V2
 (Ray's default), whose workers run the training function in a thread and take calls meanwhile.
 Protocol, failures and versions: docs/ray-train.md.
@@ -28,7 +28,7 @@ import ray
 import torch
 
 from ..errors import RefitError
-from .actors import current_actor
+from ..runtime.membership import current_actor
 
 __all__ = ["WeightSync", "train_layout"]
 
@@ -134,8 +134,8 @@ class WeightSync:
         import torch.distributed as dist
 
         from ..models import VLLM, fsdp_local_tensors
-        from .serving import GatedClient
-        from .vllm import RayReshardTrainerEngine, RayReshardTrainerInitInfo
+        from ..engines.vllm.backend import RayReshardTrainerEngine, RayReshardTrainerInitInfo
+        from ..engines.vllm.serving import GatedClient
 
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"every must be a positive int, got {every!r}")

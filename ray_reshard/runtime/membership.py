@@ -170,3 +170,22 @@ def node_helpers(nodes, timeout: float) -> dict:
             _HELPERS[(here, n)] = h
             have[n] = h
     return {n: have[n] for n in nodes}
+
+
+def current_actor() -> Any:
+    """The handle of the Ray actor this code runs in (Ray raises RuntimeError outside one)."""
+    return ray.get_runtime_context().current_actor
+
+
+def train_worker_actors(group=None) -> list:
+    """Handles of every worker of a trainer that runs torch.distributed (a Ray Train run), in
+    its rank order; call it on every worker (a collective over `group`, default the default
+    process group)."""
+    import torch.distributed as dist
+
+    me = current_actor()
+    if not dist.is_available() or not dist.is_initialized():
+        return [me]
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, me, group=group)
+    return out

@@ -135,7 +135,7 @@ def reference(model_dir, state_dict, prompts=PROMPTS, max_tokens=MAX_TOKENS):
 def fresh_engine_reference(model_dir, state_dict, tp=1, prompts=PROMPTS, max_tokens=MAX_TOKENS):
     """What vLLM itself serves for `state_dict`: a new engine started from a checkpoint of it,
     its greedy generation."""
-    from ray_reshard.integrations.vllm_engine import generate, start_engine
+    from ray_reshard.engines.vllm.launch import generate, start_engine
 
     with checkpoint_of(model_dir, state_dict) as d:
         engine = start_engine(d, tp=tp)
@@ -164,7 +164,7 @@ class TrainerRank:
              atomic=False, delta=False):
         from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
 
-        from ray_reshard.integrations.vllm import RayReshardTrainerEngine, RayReshardTrainerInitInfo
+        from ray_reshard.engines.vllm.backend import RayReshardTrainerEngine, RayReshardTrainerInitInfo
         tensors = getattr(self, "tensors", None) or (lambda: self.storages)
         info = RayReshardTrainerInitInfo(
             rank=self.rank, config=config, train=train, infer=infer, engines=engines,

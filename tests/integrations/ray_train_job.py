@@ -122,7 +122,7 @@ class Generations:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
-        from ray_reshard.integrations.serving import generate
+        from ray_reshard.engines.vllm.serving import generate
 
         while not self._stop.is_set():
             try:

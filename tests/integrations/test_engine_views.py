@@ -11,7 +11,7 @@ import ray
 import torch
 
 import ray_reshard as rr
-from ray_reshard.integrations.engine_views import (WorkerView, entry, export_tensors,
+from ray_reshard.engines.views import (WorkerView, entry, export_tensors,
                                                    local_tensors)
 
 KEY = "views"

@@ -30,7 +30,7 @@ KEY = "gate-test"
 def live(cluster, tmp_path_factory):
     require_vllm()
     import ray_reshard as rr
-    from ray_reshard.integrations.vllm_engine import start_engine, write_model
+    from ray_reshard.engines.vllm.launch import start_engine, write_model
 
     path = str(tmp_path_factory.mktemp("qwen3"))
     write_model(QWEN3, path, seed=0)
@@ -47,7 +47,7 @@ def tokens(live, weights):
 
 # ------------------------------------------------------------------------ the engine's gate
 def test_generation_waits_for_an_update_session_and_carries_its_version(live):
-    from ray_reshard.integrations.serving import GatedClient, generate, status
+    from ray_reshard.engines.vllm.serving import GatedClient, generate, status
 
     engine, driver = live["engine"], Driver.remote()
     client = GatedClient([engine], owner=driver, participants=[driver], lease_s=60)
@@ -74,7 +74,7 @@ def test_generation_waits_for_an_update_session_and_carries_its_version(live):
 
 
 def test_a_session_whose_driver_died_or_overran_is_closed_by_the_engine(live):
-    from ray_reshard.integrations.serving import GatedClient, generate, status
+    from ray_reshard.engines.vllm.serving import GatedClient, generate, status
 
     engine, driver = live["engine"], Driver.remote()
     ray.get(driver.ping.remote())
@@ -104,7 +104,7 @@ def test_a_session_whose_driver_died_or_overran_is_closed_by_the_engine(live):
 
 def test_a_failed_refit_that_was_not_atomic_holds_the_engine_until_one_completes(live):
     from ray_reshard import RefitError
-    from ray_reshard.integrations.serving import GatedClient, generate, status
+    from ray_reshard.engines.vllm.serving import GatedClient, generate, status
 
     engine, driver = live["engine"], Driver.remote()
     client = GatedClient([engine], owner=driver, participants=[driver], lease_s=60,
@@ -143,7 +143,7 @@ def fit(live, tmp_path, name, **config):
     from ray.train.torch import TorchTrainer
     from ray.train.v2.api.exceptions import TrainingFailedError
 
-    from ray_reshard.integrations.serving import status
+    from ray_reshard.engines.vllm.serving import status
 
     max_failures = config.pop("max_failures", 0)
     trainer = TorchTrainer(
@@ -192,7 +192,7 @@ def test_fsdp2_trainer_refits_every_step_and_recovers_a_killed_worker(live, tmp_
     dense and keeps the baseline); rank 1's process dies while the refit of step 2 reads its shards. Ray Train
     restarts the group from the latest checkpoint; WeightSync connects anew, and the engine,
     which kept serving step 1's weights whole, follows again."""
-    from ray_reshard.integrations.serving import status
+    from ray_reshard.engines.vllm.serving import status
 
     result, error, gen, before, seconds = fit(
         live, tmp_path, "fsdp2", parallel="fsdp2", steps=4, delta=True, max_failures=1,
@@ -231,7 +231,7 @@ def test_a_worker_that_never_comes_back_ends_the_run_and_the_engine_keeps_a_whol
     """DDP on 2 workers; rank 1's process dies while the refit of step 2 reads its shards and
     Ray Train may not restart it (max_failures=0): the run ends, the refit's failure names
     rank 1, and the engine serves step 1's weights, whole."""
-    from ray_reshard.integrations.serving import generate, status
+    from ray_reshard.engines.vllm.serving import generate, status
 
     result, error, gen, before, seconds = fit(
         live, tmp_path, "ddp", parallel="ddp", steps=3, fault={"rank": 1, "step": 2})

@@ -101,7 +101,7 @@ class Worker:
         from vllm.config.weight_transfer import WeightTransferConfig
         from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
-        from ray_reshard.integrations.vllm import RayReshardWeightTransferEngine, register
+        from ray_reshard.engines.vllm.backend import RayReshardWeightTransferEngine, register
         register()
         self.rank = rank
         self.model = build_model(rank)
@@ -173,7 +173,7 @@ class Trainer:
     def init(self, src_actors, engines):
         from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
 
-        from ray_reshard.integrations.vllm import (RayReshardTrainerEngine,
+        from ray_reshard.engines.vllm.backend import (RayReshardTrainerEngine,
                                                    RayReshardTrainerInitInfo, register)
         register()
         info = RayReshardTrainerInitInfo(
@@ -248,7 +248,7 @@ def test_vllm_backend_end_to_end(cluster):
 
 
 def test_plan_specs_refuses_mismatched_workers():
-    from ray_reshard.integrations.vllm import plan_specs
+    from ray_reshard.engines.vllm.backend import plan_specs
     from ray_reshard.models import storage_shapes
 
     def describe(r, drop=None, reshape=None, released=None):
@@ -281,7 +281,7 @@ def test_plan_specs_refuses_mismatched_workers():
 
 
 def test_inference_tensors_are_written_through_aliases():
-    from ray_reshard.integrations.vllm import writable
+    from ray_reshard.engines.vllm.backend import writable
 
     with torch.inference_mode():
         t = torch.zeros(3, 4)
@@ -297,7 +297,7 @@ def test_block_fp8_workers_take_fp8_weights_and_scales_as_the_checkpoint_holds_t
     reference quantisation of the HF tensors (run in one process, the runtime's programs)."""
     import ray_reshard as rr
     from ray_reshard.execution.fp8 import reference_quantize
-    from ray_reshard.integrations.vllm import FULL, plan_specs
+    from ray_reshard.engines.vllm.backend import FULL, plan_specs
     from ray_reshard.models import storage_shapes
     from ray_reshard.execution.reference import simulate_refit
 
@@ -350,7 +350,7 @@ def test_block_fp8_workers_take_fp8_weights_and_scales_as_the_checkpoint_holds_t
 def test_refits_without_a_reload_re_derive_mla_tensors():
     """All in place (no fallback, so no layerwise reload): finish_weight_update recomputes MLA's
     W_UK_T from the kv_b_proj the refit wrote."""
-    from ray_reshard.integrations.vllm import writable
+    from ray_reshard.engines.vllm.backend import writable
 
     worker = Worker(0)
     eng = worker.weight_transfer_engine
@@ -369,7 +369,7 @@ def test_trainer_needs_its_local_shards():
     """Without `tensors`, the trainer takes its shards from a WeightSource's iter_local() (vLLM
     0.33); a source without it (0.32's iterates gathered full tensors) is refused, naming what
     to pass, and the trainer engine's constructor fits the installed vLLM's signature."""
-    from ray_reshard.integrations.vllm import RayReshardTrainerEngine, RayReshardTrainerInitInfo
+    from ray_reshard.engines.vllm.backend import RayReshardTrainerEngine, RayReshardTrainerInitInfo
 
     class FullOnlySource:           # 0.32's WeightSource channels: metadata(), __iter__
         def metadata(self):
@@ -391,7 +391,7 @@ def test_trainer_needs_its_local_shards():
                                   src_actors=["a0", "a1"], key="local-source"),
         client=None, source=LocalSource())
     assert not engine.is_sender and engine.rank == 1
-    from ray_reshard.integrations.engine_views import local_tensors
+    from ray_reshard.engines.views import local_tensors
     assert set(local_tensors("local-source")) == {"w"}
 
 
@@ -451,7 +451,7 @@ def test_route_decides_per_parameter_from_what_the_forward_pass_reads():
     released weight, its module's other parameters, rearranged experts and an untied LM head
     reading a packed copy through load_weights; a tied LM head in place with its embedding, its
     packed copy rebuilt from the new bytes after the update."""
-    from ray_reshard.integrations.vllm import PACKED_COPY, describe_model
+    from ray_reshard.engines.vllm.backend import PACKED_COPY, describe_model
 
     out, exposed, fallback, repack = describe_model(fake_model(tied=False), quantized=False)
     why = {n: d["why"] for n, d in out.items()}
@@ -490,7 +490,7 @@ def test_a_tied_heads_packed_copy_follows_the_embedding_written_in_place():
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
-    from ray_reshard.integrations.vllm import RayReshardInitInfo, register, writable
+    from ray_reshard.engines.vllm.backend import RayReshardInitInfo, register, writable
     register()
     model = fake_model(tied=True)
     vllm_config = types.SimpleNamespace(

@@ -49,7 +49,7 @@ def expected(live, sd):
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-tp{c[1]}-{c[2]}")
 def live(request, cluster, tmp_path_factory):
     require_vllm()
-    from ray_reshard.integrations.vllm_engine import start_engine, write_model
+    from ray_reshard.engines.vllm.launch import start_engine, write_model
 
     name, tp, train = request.param
     cfg = CONFIGS[name]
@@ -76,7 +76,7 @@ def init_all(trainers, live, infer=None, dtype=torch.float32, key="default"):
 
 
 def test_refit_then_generate_equals_transformers(live):
-    from ray_reshard.integrations.vllm_engine import generate
+    from ray_reshard.engines.vllm.launch import generate
 
     engine = live["engine"]
     before = generate(engine, PROMPTS, MAX_TOKENS)
@@ -132,7 +132,7 @@ def test_refit_then_generate_equals_transformers(live):
 
 
 def test_refused_refit_leaves_the_engine_serving_as_before(live):
-    from ray_reshard.integrations.vllm_engine import generate
+    from ray_reshard.engines.vllm.launch import generate
 
     engine = live["engine"]
     before = generate(engine, PROMPTS, MAX_TOKENS)
@@ -159,7 +159,7 @@ def test_fsdp2_trainers_refit_a_live_engine(live, world):
     then generates as transformers does on their full_tensor()."""
     import socket
 
-    from ray_reshard.integrations.vllm_engine import generate
+    from ray_reshard.engines.vllm.launch import generate
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -184,7 +184,7 @@ def test_fsdp2_trainers_refit_a_live_engine(live, world):
 def test_a_trainer_of_another_config_is_refused(live, delta):
     """Trainers built for another intermediate_size are refused before any byte moves, naming
     the field; the engine generates exactly as before."""
-    from ray_reshard.integrations.vllm_engine import generate
+    from ray_reshard.engines.vllm.launch import generate
 
     engine = live["engine"]
     before = generate(engine, PROMPTS, MAX_TOKENS)
@@ -209,7 +209,7 @@ def test_failures_after_the_update_started_leave_an_engine_a_new_transfer_refits
     """A round that fails after start_weight_update (a trainer rank whose shards cannot be
     read; a trainer rank that died) raises on the sender, the engine still generates as before,
     and a new transfer refits it exactly."""
-    from ray_reshard.integrations.vllm_engine import generate
+    from ray_reshard.engines.vllm.launch import generate
 
     engine = live["engine"]
     before = generate(engine, PROMPTS, MAX_TOKENS)
@@ -240,7 +240,7 @@ def test_failures_after_the_update_started_leave_an_engine_a_new_transfer_refits
 def test_two_transfers_open_on_one_engine_keep_their_own_staging(live):
     """Two trainer connections open on one engine (keys a and b): each round loads its own
     staging tensors, so the engine serves whichever sent last, exactly."""
-    from ray_reshard.integrations.vllm_engine import generate
+    from ray_reshard.engines.vllm.launch import generate
 
     engine = live["engine"]
     wa, wb = perturbed(live["base"], seed=11), perturbed(live["base"], seed=12)

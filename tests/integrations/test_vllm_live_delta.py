@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.vllm_live, pytest.mark.timeout(900)]
 
 def test_delta_rounds_into_an_engine_reading_its_parameters_in_place(cluster, tmp_path):
     require_vllm()
-    from ray_reshard.integrations.vllm_engine import generate, start_engine, write_model
+    from ray_reshard.engines.vllm.launch import generate, start_engine, write_model
 
     cfg, train, infer = QWEN3_TIED, Megatron(tp=2), VLLM(tp=1)
     write_model(cfg, str(tmp_path), seed=0)

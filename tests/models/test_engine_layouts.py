@@ -97,8 +97,8 @@ def test_megatron_storages_match_reference(family, over, par):
 def test_rank_numbering():
     """Megatron: tp fastest, then cp, dp, pp; experts: etp, ep, edp. vLLM: dp, pp, tp."""
     from ray_reshard.models.config import model_dims
-    from ray_reshard.models.megatron import MegatronSide
-    from ray_reshard.models.vllm import VLLMSide
+    from ray_reshard.engines.megatron.layout import MegatronSide
+    from ray_reshard.engines.vllm.layout import VLLMSide
     cfg, _ = make_model("qwen3_moe")
     d = model_dims(cfg)
     m = MegatronSide(d, Megatron(tp=2, cp=2, dp=2, pp=2, ep=4, etp=1, first_stage_layers=2))

@@ -37,12 +37,11 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..layout.placement import Replicate, Shard
-from ..layout.slots import Slot
-from .config import ModelDims
-from .pieces import Piece, is_mtp
-from .registry import Engine, register_engine
-from .storage import EngineSide, StorageDecl, Stores, check_counts, check_pos, div
+from ...layout.placement import Replicate, Shard
+from ...layout.slots import Slot
+from ...models.config import ModelDims
+from ...models.pieces import Piece, is_mtp
+from ...models.storage import EngineSide, StorageDecl, Stores, check_counts, check_pos, div
 
 
 @dataclass(frozen=True)
@@ -425,13 +424,10 @@ class MegatronSide(EngineSide):
         return self._same(lay, slot)
 
 
-def _fill_dp(fields: dict) -> dict:
+def fill_dp(fields: dict) -> dict:
     """An omitted dp: the smallest that fits ep * etp into each stage."""
     if "dp" in fields:
         return fields
     per_stage = fields.get("tp", 1) * fields.get("cp", 1)
     expert = fields.get("ep", 1) * fields.get("etp", fields.get("tp", 1))
     return {**fields, "dp": expert // math.gcd(per_stage, expert)}
-
-
-register_engine(Engine("megatron", Megatron, "train", "megatron:tp=4,pp=8,ep=16", _fill_dp))

@@ -52,13 +52,12 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..layout.placement import Replicate, Shard
-from ..layout.quant import BlockFP8
-from ..layout.slots import Slot
-from .config import ModelDims
-from .pieces import Piece, is_mtp
-from .registry import Engine, register_engine
-from .storage import EngineSide, StorageDecl, Stores, check_counts, check_pos, div
+from ...layout.placement import Replicate, Shard
+from ...layout.quant import BlockFP8
+from ...layout.slots import Slot
+from ...models.config import ModelDims
+from ...models.pieces import Piece, is_mtp
+from ...models.storage import EngineSide, StorageDecl, Stores, check_counts, check_pos, div
 
 PLACEMENTS = ("linear", "round_robin")
 QUANTIZATIONS = (None, "fp8")
@@ -551,6 +550,3 @@ class VLLMSide(EngineSide):
             lay = self._expert_layouts[("shard", stage, tdim)] = \
                 self._shard(self.expert_grid(stage), tdim)
         return self._same(lay, slot)
-
-
-register_engine(Engine("vllm", VLLM, "infer", "vllm:tp=8,dp=16"))

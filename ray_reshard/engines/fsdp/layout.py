@@ -29,11 +29,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..layout.slots import Slot
-from .config import ModelDims
-from .pieces import Piece, enumerate_pieces, is_mtp, resolve_hf_experts
-from .registry import Engine, register_engine
-from .storage import EngineSide, StorageDecl, check_pos
+from ...layout.slots import Slot
+from ...models.config import ModelDims
+from ...models.pieces import Piece, enumerate_pieces, is_mtp, resolve_hf_experts
+from ...models.storage import EngineSide, StorageDecl, check_pos
 
 # Pieces that are buffers in transformers' modules: FSDP2 leaves them whole on every rank.
 BUFFER_KINDS = frozenset({"router_bias"})
@@ -207,6 +206,3 @@ def fsdp_local_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
         t = b.to_local() if hasattr(b, "to_local") else b
         out.setdefault(_hf_name(name), t.detach())
     return out
-
-
-register_engine(Engine("fsdp", FSDP, "train", "fsdp:shard=8,replicate=2"))
