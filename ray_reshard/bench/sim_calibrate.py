@@ -413,6 +413,8 @@ def check_main(args, ap) -> int:
     why = unavailable()
     if why:
         ap.error(f"--check needs a cluster in a box: {why}")
+    from .harness import machine_facts
+    machine = machine_facts()
     out = run_in_box("ray_reshard.bench.sim_calibrate:check_shaped",
                      {"rates": rates, "mb": args.mb, "count": args.count,
                       "repeats": args.repeats, "fraction": args.fraction,
@@ -432,7 +434,8 @@ def check_main(args, ap) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"check": True, "rates": rates, "mb": args.mb, "count": args.count,
-                       "repeats": args.repeats, "fraction": args.fraction, **out}, f, indent=1)
+                       "repeats": args.repeats, "fraction": args.fraction,
+                       "machine": machine, **out}, f, indent=1)
     return 0
 
 
