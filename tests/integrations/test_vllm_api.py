@@ -451,7 +451,7 @@ def test_route_decides_per_parameter_from_what_the_forward_pass_reads():
     released weight, its module's other parameters, rearranged experts and an untied LM head
     reading a packed copy through load_weights; a tied LM head in place with its embedding, its
     packed copy rebuilt from the new bytes after the update."""
-    from ray_reshard.engines.vllm.backend import PACKED_COPY, describe_model
+    from ray_reshard.engines.vllm.routes import PACKED_COPY, describe_model
 
     out, exposed, fallback, repack = describe_model(fake_model(tied=False), quantized=False)
     why = {n: d["why"] for n, d in out.items()}

@@ -50,18 +50,17 @@ from vllm.distributed.weight_transfer.base import (TrainerInitInfo, TrainerWeigh
                                                    WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 
-from ...layout import Layout, Mesh, Replicate, Slot, TensorSpec
-from ...models import Recipe, config_differences, hf_parameter_shapes
 from ...runtime.group import ReshardGroup
+from .routes import (IN_PLACE_MOE_BACKENDS, PACKED_COPY, describe_model,  # noqa: F401
+                     finish_expert_processing, rederive, repack_modules, route,
+                     track_expert_processing, writable)
+from .specs import FULL, format_report, plan_specs, written_in_place
 from ..views import (WorkerView, current_actor_id, entry, export_tensors, forget,
                            local_tensors)
 
 BACKEND = "ray_reshard"
 REGISTER_TIMEOUT_S = 300.0  # how long the sender waits for every rank's trainer_init
 ROUND_MARGIN_S = 120.0      # a waiting rank's margin over the refit's deadline
-FULL = "full:"            # storage name prefix of fallback staging tensors (whole HF tensors)
-IN_PLACE_MOE_BACKENDS = ("TRITON", "BATCHED_TRITON")
-PACKED_COPY = "its GEMM reads a packed copy (CPU prepack), not this parameter"
 # vLLM 0.33's TrainerWeightTransferEngine takes the trainer's rank; 0.32's does not
 _TRAINER_BASE_TAKES_RANK = "rank" in inspect.signature(
     TrainerWeightTransferEngine.__init__).parameters
@@ -70,82 +69,6 @@ __all__ = ["BACKEND", "FULL", "RayReshardInitInfo", "RayReshardTrainerEngine",
            "RayReshardTrainerInitInfo", "RayReshardUpdateInfo", "RayReshardWeightTransferEngine",
            "describe_model", "format_report", "local_tensors", "plan_specs", "register", "route",
            "writable", "written_in_place"]
-
-
-def writable(t: torch.Tensor) -> torch.Tensor:
-    """`t`, or a plain alias of its memory when it is an inference tensor (which cannot be
-    written in place outside inference mode)."""
-    if not t.is_inference():
-        return t
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
-        t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
-
-
-def quant_method_reason(module: torch.nn.Module) -> Optional[str]:
-    """None when `module`'s quant method keeps its parameters in checkpoint layout after
-    loading; otherwise why not."""
-    qm = getattr(module, "quant_method", None)
-    if qm is None:
-        return None
-    name = type(qm).__name__
-    if name in ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"):
-        return None
-    if name == "UnquantizedFusedMoEMethod":
-        backend = getattr(getattr(qm, "unquantized_backend", None), "name", None)
-        if backend in IN_PLACE_MOE_BACKENDS:
-            return None
-        return f"MoE backend {backend} rearranges expert weights after loading"
-    return f"{name} processes weights after loading"
-
-
-def gemm_reads_weight(module: torch.nn.Module) -> Optional[bool]:
-    """Whether the module's CPU GEMM (vLLM's ``cpu_linear``) computes with the weight it is
-    handed: probed with two 1-row weights (a packed kernel ignores them and answers for its
-    own copy). None when the module has no CPU GEMM."""
-    gemm = getattr(module, "cpu_linear", None)
-    w = getattr(module, "weight", None)
-    if gemm is None or not isinstance(w, torch.Tensor) or w.dim() != 2:
-        return None
-    x = torch.ones(1, w.shape[1], dtype=w.dtype, device=w.device)
-    with torch.no_grad():
-        a = gemm(x, torch.zeros(1, w.shape[1], dtype=w.dtype, device=w.device), None)
-        b = gemm(x, torch.ones(1, w.shape[1], dtype=w.dtype, device=w.device), None)
-    return not (a.shape == b.shape and torch.equal(a, b))
-
-
-def route(module: torch.nn.Module, param: torch.Tensor, *, quantized: bool,
-          lm_head: bool) -> Optional[str]:
-    """None when a write into `param` is what `module`'s forward pass reads (in place);
-    otherwise why the parameter must go through vLLM's load_weights (fallback)."""
-    if quantized:
-        return "quantized model: its kernels keep processed weights"
-    if param.numel() == 0:
-        return (f"released after loading (shape {tuple(param.shape)}): the platform keeps a "
-                f"repacked copy")
-    embedding = type(getattr(module, "quant_method", None)).__name__ == \
-        "UnquantizedEmbeddingMethod"
-    if lm_head or not embedding:        # an embedding's lookup reads the parameter itself
-        try:
-            reads = gemm_reads_weight(module)
-        except Exception as e:      # noqa: BLE001  (any failure: do not trust the parameter)
-            return f"could not tell what its GEMM reads ({type(e).__name__}: {e})"
-        if reads is False:
-            return PACKED_COPY
-    return quant_method_reason(module)
-
-
-def format_report(rows: list[dict]) -> str:
-    """A table of `RayReshardTrainerEngine.report()` rows, one line per parameter and rank."""
-    lines = [f"{'rank':>4}  {'route':9}  {'shape':18} {'dtype':10} parameter / why"]
-    for r in rows:
-        why = f"  ({r['why']})" if r["why"] else \
-            f"  (tied to {r['tied']})" if r.get("tied") else ""
-        route = r["route"] + (", delta" if r.get("delta") else "")
-        lines.append(f"{r['rank']:>4}  {route:9}  {str(tuple(r['shape'])):18} "
-                     f"{r['dtype']:10} {r['name']}{why}")
-    n_in = sum(r["route"] == "in place" for r in rows)
-    lines.append(f"{n_in} in place, {len(rows) - n_in} through load_weights")
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------- worker side
@@ -168,81 +91,6 @@ class _Transfer:
     exposed: dict = field(default_factory=dict)      # parameter name -> tensor (in place)
     fallback_modules: set = field(default_factory=set)
     repack: list = field(default_factory=list)       # modules whose packed copy is rebuilt
-
-
-def describe_model(model: torch.nn.Module, quantized: bool) -> tuple[dict, dict, set, list]:
-    """How the forward pass reads each parameter of `model` (see `route`).
-
-    Returns (description, in-place tensors, modules reloaded as a whole, modules to repack).
-    The description maps each parameter name to {shape, dtype, why, tied}: `why` None means the
-    parameter is written in place, else why it goes through load_weights; `tied` names another
-    parameter sharing its tensor (tied embeddings). A module whose GEMM reads a packed copy of
-    a tensor shared with a parameter written in place (a tied LM head on vLLM's CPU build) is
-    repacked from it after each refit; a tied parameter that must go through load_weights takes
-    its aliases with it."""
-    lm_head = getattr(model, "lm_head", None)
-    rows = []            # (module name, module, parameter name, tensor, why)
-    for mod_name, module in model.named_modules():
-        params = list(module.named_parameters(recurse=False))
-        is_head = module is lm_head or type(module).__name__ == "ParallelLMHead"
-        for pname, p in params:
-            why = route(module, p, quantized=quantized, lm_head=is_head)
-            rows.append((mod_name, module, f"{mod_name}.{pname}" if mod_name else pname, p, why))
-    names_of: dict = {}
-    for _, _, name, p, _ in rows:
-        names_of.setdefault(id(p), []).append(name)
-    groups = [names for names in names_of.values() if len(names) > 1]
-    whys = {name: why for _, _, name, _, why in rows}
-    owner = {name: (mod_name, module) for mod_name, module, name, _, _ in rows}
-    repack = set()
-    for names in groups:        # read in place by one alias, through a packed copy by others
-        if any(whys[n] is None for n in names):
-            for n in names:
-                if whys[n] == PACKED_COPY and quant_method_reason(owner[n][1]) is None:
-                    whys[n] = None
-                    repack.add(owner[n][0])
-    members: dict = {}
-    for mod_name, _, name, _, _ in rows:
-        members.setdefault(mod_name, []).append(name)
-    changed = True
-    while changed:          # a reload takes whole modules, and a tied tensor's every alias
-        changed = False
-        for mod_name, names in members.items():
-            bad = next((n for n in names if whys[n] is not None), None)
-            for n in names:
-                if bad is not None and whys[n] is None:
-                    whys[n] = (f"its module is reloaded as a whole "
-                               f"({bad.rsplit('.', 1)[-1]}: {whys[bad]})")
-                    changed = True
-        for names in groups:
-            bad = next((n for n in names if whys[n] is not None), None)
-            for n in names:
-                if bad is not None and whys[n] is None:
-                    whys[n] = f"tied to {bad}, which goes through load_weights"
-                    changed = True
-    out, exposed, fallback = {}, {}, set()
-    for mod_name, module, name, p, _ in rows:
-        why = whys[name]
-        tied = next((n for n in names_of[id(p)] if n != name), None)
-        out[name] = {"shape": tuple(p.shape), "dtype": str(p.dtype).replace("torch.", ""),
-                     "why": why, "tied": tied}
-        if why is None:
-            exposed[name] = writable(p.data)
-        else:
-            fallback.add(mod_name)
-    return out, exposed, fallback, sorted(m for m in repack if m not in fallback)
-
-
-def repack_modules(model: torch.nn.Module, names: list) -> list[str]:
-    """Rebuild the packed copies of `names` (modules whose GEMM reads a copy of a tensor written
-    in place) through their quant method's own post-load step. Returns the modules it ran on."""
-    modules = dict(model.named_modules())
-    done = []
-    for name in names:
-        module = modules[name]
-        module.quant_method.process_weights_after_loading(module)
-        done.append(name)
-    return done
 
 
 class RayReshardWeightTransferEngine(WeightTransferEngine[RayReshardInitInfo, RayReshardUpdateInfo]):
@@ -391,58 +239,6 @@ class RayReshardWeightTransferEngine(WeightTransferEngine[RayReshardInitInfo, Ra
             self.forget(key)
 
 
-def track_expert_processing(model: torch.nn.Module, modules: set) -> dict:
-    """Before a reload: watch whether the MoE experts of `modules` re-run their own weight
-    processing. vLLM 0.32 skips it on weight updates once the MoE kernel exists
-    (``UnquantizedFusedMoEMethod._setup_kernel``), so its CPU experts would compute with
-    checkpoint-layout bytes as if they were prepacked. Returns module name -> [experts, calls]."""
-    calls = {}
-    for name, module in model.named_modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if name not in modules or experts is None or \
-                "process_weights_after_loading" not in type(experts).__dict__:
-            continue
-        record = [experts, 0]
-        original = type(experts).process_weights_after_loading
-
-        def watched(layer, _record=record, _original=original):
-            _record[1] += 1
-            return _original(_record[0], layer)
-        experts.process_weights_after_loading = watched
-        calls[name] = record
-    return calls
-
-
-def finish_expert_processing(model: torch.nn.Module, calls: dict) -> list[str]:
-    """After a reload: run the experts' weight processing where the reload skipped it (see
-    `track_expert_processing`); stop watching. Returns the modules it ran on."""
-    done = []
-    modules = dict(model.named_modules())
-    for name, (experts, n) in calls.items():
-        del experts.process_weights_after_loading
-        if n == 0:
-            experts.process_weights_after_loading(modules[name])
-            done.append(name)
-    return done
-
-
-def rederive(model: torch.nn.Module, dtype: torch.dtype) -> list[str]:
-    """Re-run what vLLM derives from weights after loading for deferred attention layers
-    (MLA: W_UK_T / W_UV from kv_b_proj). Returns the modules it ran on."""
-    try:
-        from vllm.model_executor.layers.attention import is_deferred_attention_layer
-    except ImportError:     # vLLM's attention layers need its full install (GPU build)
-        def is_deferred_attention_layer(m):
-            return hasattr(m, "kv_b_proj") and callable(getattr(m, "process_weights_after_loading", None))
-    done = []
-    for name, module in model.named_modules():
-        if module is not model and is_deferred_attention_layer(module):
-            module.process_weights_after_loading(dtype)
-            done.append(name)
-    return done
-
-
 # Functions run by the engine (an `LLM` actor, through __ray_call__) and by its workers (through
 # the engine's collective_rpc: called with the worker, results in worker rank order).
 def _engine_where(llm) -> tuple:
@@ -511,133 +307,6 @@ def _release(actor, key: str, round_no: int, error: Optional[str]) -> None:
     ev = ent["rounds"].setdefault(round_no, threading.Event())
     ent["errors"][round_no] = error
     ev.set()
-
-
-# --------------------------------------------------------------------------------- specs
-def plan_specs(config: Any, train, infer, described: list[dict], dtype=torch.bfloat16,
-               train_dtype: Optional[torch.dtype] = None,
-               quantization: Optional[list[dict]] = None,
-               parallel: Optional[list[dict]] = None,
-               engine_configs: Optional[list] = None) -> tuple[dict, list[dict]]:
-    """Specs of a refit into live vLLM workers, and each worker's staging tensors.
-
-    `described[r]` is worker r's `describe()` (name -> {shape, dtype, why}), `quantization[r]`
-    its `quantization()`, `parallel[r]` its engine's parallel sizes, `engine_configs[r]` the HF
-    config it serves (compared with `config`: any difference in a parameter's shape or meaning
-    is refused, see `config_differences`). Pieces whose storage a
-    worker does not write in place go whole (HF tensor, replicated to every rank holding the
-    piece) to ``full:<hf name>`` staging tensors; block-FP8 pieces go as the checkpoint holds
-    them, FP8 weights quantised by the senders plus ``<hf name>_scale_inv``. Raises, naming the
-    rank and the parameter, when the engine runs another layout than `infer`, or a worker lacks
-    a parameter the recipe expects, or holds an in-place one with another shape or dtype, or
-    serves another quantization than `infer` describes, or another model config than `config`."""
-    if len(described) != infer.world:
-        raise ValueError(f"{infer} has {infer.world} ranks but the engines have "
-                         f"{len(described)} workers")
-    for r, p in enumerate(parallel or ()):
-        if (p["tp"], p["pp"]) != (infer.tp, infer.pp):
-            raise ValueError(f"vLLM worker {r} runs tensor_parallel_size={p['tp']}, "
-                             f"pipeline_parallel_size={p['pp']}, but {infer} has tp={infer.tp}, "
-                             f"pp={infer.pp}")
-    for r, q in enumerate(quantization or ()):
-        _check_quantization(r, q, infer)
-    _check_configs(config, engine_configs)
-    # HF expert naming of the trainers' storages where they name them (FSDP: transformers'
-    # modules), else the checkpoints' split experts; fallback pieces keep that naming
-    hf_experts = getattr(train, "hf_experts", None) or "split"
-    recipe = Recipe(config, train, infer, hf_experts=hf_experts)
-    specs = recipe.specs(dtype, train_dtype)
-    dt_name = str(dtype).replace("torch.", "")
-    fallback: list[set] = []
-    problems = []
-    for r, desc in enumerate(described):
-        bad = set()
-        for name, decl in recipe.dst.storages(r).items():
-            shape = decl.shape
-            got = desc.get(name)
-            if got is None:
-                problems.append(f"vLLM worker {r}: no parameter {name!r} (expected shape "
-                                f"{tuple(shape)}); is it {infer}?")
-            elif got["why"] is not None:
-                bad.add(name)
-            elif tuple(got["shape"]) != tuple(shape):
-                problems.append(f"vLLM worker {r}: {name!r} has shape {tuple(got['shape'])}, "
-                                f"the recipe for {infer} expects {tuple(shape)}")
-            elif got["dtype"] != dt_name and "e_score_correction_bias" not in name:
-                problems.append(f"vLLM worker {r}: {name!r} is {got['dtype']}, refit dtype is "
-                                f"{dt_name}")
-        fallback.append(bad)
-    if problems:
-        raise ValueError("refit refused before moving any byte:\n  " + "\n  ".join(problems))
-    staging: list[dict] = [{} for _ in described]
-    hf_shapes = hf_parameter_shapes(config, hf_experts=hf_experts, mtp=True)
-    for pc in recipe.pieces:
-        spec = specs[pc.name]
-        if not any(slot.storage in fallback[r] for r, slot in spec.dst_slots):
-            continue
-        ranks = sorted({r for r, _ in spec.dst_slots})
-        hf_name = pc.hf
-        slot = Slot(FULL + hf_name, pc.index, pc.dim, pc.offset)
-        dst = Layout(Mesh(ranks, ("workers",)), (Replicate(),))
-        specs[pc.name] = TensorSpec(spec.shape, spec.dtype, spec.src, dst,
-                                    src_dtype=spec.src_dtype, src_slots=spec.src_slots,
-                                    dst_slots={r: slot for r in ranks}, quant=spec.quant)
-        for r in ranks:
-            staging[r][hf_name] = (hf_shapes[pc.hf], str(spec.dtype).replace("torch.", ""))
-            if spec.quant is not None:      # the checkpoint's scales beside the weight
-                staging[r][spec.quant.scale_storage(hf_name)] = (
-                    spec.quant.scale_shape(hf_shapes[pc.hf]), "float32")
-    return specs, staging
-
-
-def written_in_place(spec) -> bool:
-    """Whether every destination of `spec` (a `plan_specs` spec) is a parameter written in
-    place, not a staging tensor for load_weights."""
-    slots = spec.dst_slots
-    return slots is None or not any(slot.storage.startswith(FULL) for _, slot in slots)
-
-
-def _check_configs(config: Any, engine_configs: Optional[list]) -> None:
-    """The trainer's model config is the one every worker serves (shapes and meaning)."""
-    problems = []
-    for r, served in enumerate(engine_configs or ()):
-        if served is None:
-            problems.append(f"vLLM worker {r} did not report the config it serves "
-                            f"(model_config.hf_config)")
-            continue
-        diffs = config_differences(config, served)
-        if diffs:
-            problems.append(f"vLLM worker {r} serves another model config than the trainer's "
-                            f"(trainer vs engine): " + "; ".join(diffs))
-    if problems:
-        raise ValueError("refit refused before moving any byte:\n  " + "\n  ".join(problems))
-
-
-def _check_quantization(rank: int, q: dict, infer) -> None:
-    """The worker serves what `infer` describes: a block-FP8 checkpoint iff quantization="fp8"
-    with the same block; no other quantization (its loader would take the wrong bytes)."""
-    method, block, serialized = q.get("method"), q.get("block"), q.get("serialized")
-    want = getattr(infer, "quantization", None)
-    fp8_ckpt = method == "fp8" and serialized and block is not None
-    if want == "fp8":
-        if not fp8_ckpt:
-            raise ValueError(
-                f"vLLM worker {rank} serves quantization={method!r} (checkpoint FP8: "
-                f"{serialized}, weight_block_size={block}), but {infer} asks for a block-FP8 "
-                f"checkpoint; refit with the worker's quantization")
-        if tuple(block) != tuple(infer.weight_block_size):
-            raise ValueError(f"vLLM worker {rank} uses weight_block_size={tuple(block)}, "
-                             f"{infer} has {tuple(infer.weight_block_size)}")
-        return
-    if fp8_ckpt:
-        raise ValueError(f"vLLM worker {rank} serves a block-FP8 checkpoint (weight_block_size="
-                         f"{tuple(block)}): refit with VLLM(..., quantization='fp8', "
-                         f"weight_block_size={tuple(block)}) so the senders deliver FP8 and "
-                         f"scales; bf16 weights would be cast without scales")
-    if method is not None and serialized:
-        raise ValueError(f"vLLM worker {rank} serves a {method!r} checkpoint, which ray_reshard "
-                         f"does not produce; only unquantized checkpoints (vLLM may quantize "
-                         f"on load) and block FP8 are supported")
 
 
 # --------------------------------------------------------------------------------- trainer side
