@@ -1,25 +1,7 @@
-"""Delta refits: each network bucket travels as the bytes that changed since the sender's
-baseline, applied by the receiver onto what it holds (see docs/delta.md for the protocol).
-
-A sender keeps, per installed program, a baseline: the bytes of each network bucket it sent in
-its last delta refit (`Baselines`, in device or host memory). A process running a delta refit
-1. before its program, tells each process it sends to nothing and each it receives from the
-   version its destination shards hold (`held`: the group version of the last refit that
-   finished in it, None when unknown), one small message per peer; a sender encodes for a
-   receiver only where it holds the baseline's version (else dense: a fallback, named);
-2. per network group of its program (the executor's), as a sender encodes each bucket against
-   its baseline (`encode`: one pass over the source regions where they are plain host memory,
-   leaving the new bytes in the baseline), while the groups before it are on the wire; every
-   process then exchanges one header per bucket of the group (encoding, payload bytes,
-   checksum of the new bytes) and posts the payloads: a dense bucket travels as a dense refit
-   sends it (its items in place where they are large), a same one not at all;
-3. as a receiver applies each payload as it arrives (`apply`: straight into its destination
-   regions where they are plain host memory, with the checksum) and compares the checksum (a
-   SAME bucket's at the end of its program: `check_later`). A mismatch (the destination
-   changed outside refits) is recorded, not raised, so the refit ends cleanly everywhere and
-   fails as a whole, naming the receiver (`mismatches`).
-The baseline's version is confirmed only when the driver says the refit finished everywhere
-(`Baselines.settle`); a refit that failed leaves it unconfirmed, so the next one is dense.
+"""Delta refits: each network bucket travels as the bytes that changed since its sender's
+baseline, applied by the receiver onto what it holds (the protocol: docs/delta.md). The
+driver's `DeltaRequest`, a sender's `Baselines` (kept across refits, confirmed by `settle`) and
+one process's `DeltaRun`; the executor posts headers and payloads group by group.
 """
 from __future__ import annotations
 

@@ -7,8 +7,9 @@
 CLI: `ray-reshard simulate --model ... --train ... --infer ... --cluster ...` (see `cli`).
 """
 from .cluster import GB, MEASURED_ITEM_S, PRESETS, Cluster, preset
-from .engine import (Messages, SimResult, gather_broadcast_seconds, messages_aggregate,
-                     messages_exact, replay, simulate)
+from .engine import SimResult, replay, simulate
+from .gather_broadcast import gather_broadcast_seconds
+from .messages import Messages, messages_aggregate, messages_exact
 
 __all__ = ["Cluster", "GB", "MEASURED_ITEM_S", "Messages", "PRESETS", "SimResult",
            "gather_broadcast_seconds", "messages_aggregate", "messages_exact", "preset", "replay",

@@ -1,34 +1,7 @@
 """A delta refit's predicted time: the dense replay with every network bucket's payload, copies
-and codec work as a delta refit of a given changed fraction has them (the runtime's
-runtime/delta.py and executor.py).
-
-Per network bucket of `nbytes` (granule: the smallest element size of its items), with
-`fraction` of its granules changed since the previous delta refit, the wire carries
-`execution.delta.expected_encoding(nbytes, granule, fraction)`'s payload (the smallest of same,
-mask, index and dense). Two codecs, as the runtime has them:
-
-* host (CPU clusters, the compiled kernel): a sender whose regions of the bucket are all
-  contiguous encodes straight from them (no packing; else it packs first) at
-  `delta_encode_Bps`, the baseline kept in the same pass. A bucket with more than
-  `MOSTLY_CHANGED` of its granules changed is compared only over its first eighth or first
-  `MOSTLY_AFTER_CHUNKS` chunks (whole chunks), the rest copied into the baseline. A receiver
-  whose regions are all contiguous applies a mask or index payload straight into them with
-  the checksum at `delta_decode_Bps` (else it packs its regions first and unpacks after); a
-  same bucket is checksummed (at `delta_decode_Bps` too);
-* torch (GPU clusters): the sender packs the bucket and compares it whole; a dense result is
-  copied into the baseline; a receiver packs, decodes or checksums, and unpacks.
-
-A mask or index payload travels as one message; a dense bucket travels as a dense refit sends
-it (items in place where they are their own messages) from its baseline (no packing), a same
-one not at all. Each process exchanges one small message more before its program (versions):
-one `latency_s` on top of the refit's overhead. Per network group the sender encodes its
-buckets just before posting them, while its earlier groups are on the wire (the replay's
-order); a receiver posts its payloads once the group's headers arrived (one `latency_s` after
-its senders posted), after posting a group applies what it received in earlier groups, and
-checks the same buckets at the end of its program.
-
-The assumptions, returned with every prediction: changes spread evenly over buckets, the
-codec's cost linear in bucket bytes at the constants' rates, sources in the wire dtype.
+and codec work as a delta refit of a given changed fraction has them (`delta_messages` states
+the model), and one version exchange more per refit. Every prediction comes with its
+assumptions (`ASSUMPTIONS`).
 """
 from __future__ import annotations
 
@@ -41,7 +14,8 @@ from ..execution.delta import (CHUNK, DENSE, KINDS, MOSTLY_CHANGED, SAME, expect
 from ..planning.plan import Plan
 from ..planning.moves import NETWORK
 from .cluster import Cluster
-from .engine import FORWARD_ORDER, PATH_CODE, Messages, replay
+from .engine import replay
+from .messages import FORWARD_ORDER, PATH_CODE, Messages
 
 DELTA_CONSTANTS = ("delta_encode_Bps", "delta_decode_Bps")
 ASSUMPTIONS = (
@@ -57,9 +31,35 @@ ASSUMPTIONS = (
 
 
 def delta_messages(msgs: Messages, fraction: float, host: bool) -> tuple[Messages, dict]:
-    """`msgs` as a delta refit with `fraction` of the elements changed runs them (see the
-    module docstring), and the network figures: {"network_bytes", "dense_network_bytes",
-    "encodings"}. `host`: the host codec's (CPU clusters) rules, else the GPU's."""
+    """`msgs` as a delta refit with `fraction` of the elements changed runs them, and the
+    network figures: {"network_bytes", "dense_network_bytes", "encodings"}. `host`: the host
+    codec's (CPU clusters) rules, else the GPU's.
+
+    Per network bucket of `nbytes` (granule: the smallest element size of its items), with
+    `fraction` of its granules changed since the previous delta refit, the wire carries
+    `execution.delta.expected_encoding(nbytes, granule, fraction)`'s payload (the smallest of same,
+    mask, index and dense). Two codecs, as the runtime has them:
+
+    * host (CPU clusters, the compiled kernel): a sender whose regions of the bucket are all
+      contiguous encodes straight from them (no packing; else it packs first) at
+      `delta_encode_Bps`, the baseline kept in the same pass. A bucket with more than
+      `MOSTLY_CHANGED` of its granules changed is compared only over its first eighth or first
+      `MOSTLY_AFTER_CHUNKS` chunks (whole chunks), the rest copied into the baseline. A receiver
+      whose regions are all contiguous applies a mask or index payload straight into them with
+      the checksum at `delta_decode_Bps` (else it packs its regions first and unpacks after); a
+      same bucket is checksummed (at `delta_decode_Bps` too);
+    * torch (GPU clusters): the sender packs the bucket and compares it whole; a dense result is
+      copied into the baseline; a receiver packs, decodes or checksums, and unpacks.
+
+    A mask or index payload travels as one message; a dense bucket travels as a dense refit sends
+    it (items in place where they are their own messages) from its baseline (no packing), a same
+    one not at all. Each process exchanges one small message more before its program (versions):
+    one `latency_s` on top of the refit's overhead. Per network group the sender encodes its
+    buckets just before posting them, while its earlier groups are on the wire (the replay's
+    order); a receiver posts its payloads once the group's headers arrived (one `latency_s` after
+    its senders posted), after posting a group applies what it received in earlier groups, and
+    checks the same buckets at the end of its program.
+    """
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"changed fraction must be in [0, 1], got {fraction}")
     if msgs.itemsize is None:

@@ -1,6 +1,5 @@
 """The cluster simulator: closed-form cases, exact vs aggregate replay, bounds, the CLI."""
 import json
-import re
 import subprocess
 import sys
 
@@ -421,7 +420,7 @@ def test_packing_over_the_link_is_the_transfer():
 def test_link_takes_the_earliest_gap():
     """A transfer replayed later but ready earlier uses a gap left on the link; both links of
     a transfer must be free together."""
-    from ray_reshard.sim.engine import Link, earliest_free
+    from ray_reshard.sim.processes import Link, earliest_free
     a, b = Link(), Link()
     a.book(2.0, 1.0)                     # busy [2, 3)
     assert a.free_from(0.0, 1.5) == 0.0 and a.free_from(0.0, 2.5) == 3.0
