@@ -70,7 +70,9 @@ class ProgramCache:
         """Refuse specs describing more bytes than the sources hold in all (an absurd shape
         would otherwise cost the driver its memory while cutting buckets)."""
         need = {name: s.source_nbytes for name, s in specs.items()}
-        total = sum(need.values())
+        # a tensor sent to several destination groups in several dtypes is several specs
+        # reading one source: count its bytes once
+        total = sum({_source_key(name, s): need[name] for name, s in specs.items()}.values())
         holders = self.members.procs_of("src")
         held = self._collect([self._procs[q].__ray_call__.remote(worker.held_bytes,
                                                                  self.group_id)
@@ -200,3 +202,13 @@ def check_bucket(p: Plan, bucket_bytes: int) -> None:
     if bucket_bytes < size:
         raise ValueError(f"bucket_bytes={bucket_bytes} is smaller than one element of "
                          f"{p.names[widest]!r} ({p.specs[widest].dtype}, {size} bytes)")
+
+
+def _source_key(name: str, spec: TensorSpec) -> tuple:
+    """What a spec's sources read: equal keys read the same bytes."""
+    slot = None if spec.src_slots is None else spec.src_slots.uniform
+    if spec.src_slots is None:
+        return (name, (), None, 0, spec.source_nbytes)
+    if slot is None:
+        return (name,)
+    return (slot.storage, slot.index, slot.dim, slot.offset, spec.source_nbytes)
