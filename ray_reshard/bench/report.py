@@ -40,7 +40,7 @@ PAGE = os.path.join(ROOT, "docs", "benchmarks.md")
 RESULTS = os.path.join(ROOT, "docs", "benchmark-results")   # the page's kept raw outputs
 PY = "python -m"
 
-# name -> (title, full arguments, small arguments, writes JSON)
+# name -> (title, full arguments, small arguments (None: not run with --small), writes JSON)
 SECTIONS = {
     "peers": ("reshard and its peers on the same actors",
               ["ray_reshard", "bench-peers", "--mb", "256", "--repeats", "5", "--runs", "3"],
@@ -79,6 +79,23 @@ SECTIONS = {
                        ["ray_reshard", "simulate", "--model", "small-moe", "--train",
                         "megatron:pp=2,ep=2,dp=2", "--infer", "vllm:tp=2,dp=2,ep=2",
                         "--gpus-per-domain", "2", "--changed-fraction", "0.1"], False),
+    "shaped-peers": ("reshard and its peers on shaped links (a cluster in a box)",
+                     ["ray_reshard", "bench-peers", "--shaped", "1gbit,2gbit", "--mb", "128",
+                      "--repeats", "5"],
+                     ["ray_reshard", "bench-peers", "--shaped", "1gbit", "--mb", "8",
+                      "--counts", "32", "--repeats", "1"], True),
+    "shaped-calibrate": ("The simulator against refits on shaped links",
+                         ["ray_reshard.bench.sim_calibrate", "--check", "--rates",
+                          "1gbit,2gbit", "--mb", "64", "--repeats", "5"],
+                         ["ray_reshard.bench.sim_calibrate", "--check", "--rates", "1gbit",
+                          "--layouts", "0", "--mb", "4", "--count", "8", "--repeats", "1"],
+                         True),
+    "shaped-delta": ("Delta refits vs dense refits on shaped links",
+                     ["ray_reshard", "bench-delta", "--shaped", "1gbit", "--synthetic",
+                      "0,0.1,1.0", "--mb", "256", "--repeats", "5"], None, False),
+    "shaped-delta-trace": ("Delta refits along an RL-like trace on shaped links",
+                           ["ray_reshard", "bench-delta", "--shaped", "1gbit", "--mb", "256",
+                            "--steps", "5", "--lr", "1e-6"], None, False),
     "published": ("Published refit figures beside predictions",
                   ["ray_reshard.bench.sim_published"],
                   ["ray_reshard.bench.sim_published", "--rows", "7"], False),
@@ -93,8 +110,13 @@ def command_line(name: str, small: bool) -> str:
 
 
 def _commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+    """HEAD's short hash, with "+uncommitted" where the package's code differs from it (the
+    figures then come from code no commit holds)."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                           text=True).stdout.strip() or "unknown"
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "ray_reshard"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()
+    return head + ("+uncommitted" if dirty else "")
 
 
 def run_section(name: str, small: bool, keep: str) -> dict:
@@ -106,13 +128,13 @@ def run_section(name: str, small: bool, keep: str) -> dict:
         args += ["--json", path]
     elif wants_json == "stdout":
         args += ["--json"]
-    t0, commit = time.time(), _commit()
+    t0, commit, load0 = time.time(), _commit(), os.getloadavg()[0]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     p = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True,
                        text=True)
     out = {"command": command_line(name, small), "seconds": time.time() - t0,
            "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t0)), "commit": commit,
-           "returncode": p.returncode,
+           "returncode": p.returncode, "load": [round(load0, 2), round(os.getloadavg()[0], 2)],
            "stdout": "\n".join(line for line in p.stdout.splitlines()
                                if not NOISE.match(line)).strip()}
     if p.returncode != 0:
@@ -302,7 +324,9 @@ def render_text(r: dict) -> list:
 RENDER = {"peers": render_peers, "first-refit": render_first_refit, "replay": render_text,
           "calibrate": render_calibrate, "simulate": render_simulate,
           "delta": render_text, "delta-trace": render_text, "delta-simulate": render_text,
-          "published": render_text}
+          "published": render_text, "shaped-peers": render_text,
+          "shaped-calibrate": render_text, "shaped-delta": render_text,
+          "shaped-delta-trace": render_text}
 NOTES = {
     "peers": "Raw point-to-point is the group's own plain send of the same network bytes, source "
              "i to destination i, two messages in flight (bucket-sized or one per pair). It is "
@@ -357,9 +381,13 @@ def render(results: dict, small: bool, facts: dict, commit: str) -> str:
               + ". The cores are shared with other work; each section's own spread shows how "
                 "much that moved its figures.", ""]
     for name, r in results.items():
+        load = r.get("load")
         lines += [f"## {SECTIONS[name][0]}", "",
                   f"`{r['command']}` (run {r.get('date_utc', '')} at commit "
-                  f"`{r.get('commit', commit)}`, {r['seconds']:.0f} s)", ""]
+                  f"`{r.get('commit', commit)}`, {r['seconds']:.0f} s"
+                  + ("" if load is None else
+                     f"; 1-minute load average {load[0]:.1f} at its start, {load[1]:.1f} at "
+                     f"its end") + ")", ""]
         lines += RENDER[name](r)
         if name in NOTES:
             lines += ["", NOTES[name]]
@@ -466,6 +494,8 @@ def main(argv=None) -> int:
     bad = [n for n in names if n not in SECTIONS]
     if bad:
         ap.error(f"--sections: unknown {', '.join(bad)} (expected {', '.join(SECTIONS)})")
+    if args.small:            # sections without a small mode are the long shaped-link runs
+        names = [n for n in names if SECTIONS[n][2] is not None]
     import tempfile
 
     keep = args.source or args.keep or (
@@ -533,7 +563,7 @@ def check_page(table: list, names: list, small: bool, keep: str) -> str:
     except FileNotFoundError:               # outputs kept without it: not this machine's now
         machine = "not recorded with these outputs."
     lines = ["# Reproducing the figures", "",
-             f"Generated by `python -m ray_reshard.bench.report --check"
+             "Generated by `python -m ray_reshard.bench.report --check"
              + (" --small" if small else "") + " --out ...`; do not edit by hand. These "
              "commands ran again, on a fresh cluster of their own, and each figure that "
              "[Benchmark figures](benchmarks.md) states with a spread stands beside this run's. "
