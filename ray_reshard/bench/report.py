@@ -38,6 +38,8 @@ from .harness import machine_facts, predicted_range
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGE = os.path.join(ROOT, "docs", "benchmarks.md")
 RESULTS = os.path.join(ROOT, "docs", "benchmark-results")   # the page's kept raw outputs
+# a --check run's raw outputs where it writes its comparison as a page (docs/reproduction.md)
+REPRODUCTION = os.path.join(ROOT, "docs", "reproduction-results")
 PY = "python -m"
 
 # name -> (title, full arguments, small arguments (None: not run with --small), writes JSON)
@@ -480,8 +482,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sections", help=f"comma-separated, of {', '.join(SECTIONS)} (default: "
                                        f"all; with --check: {', '.join(CHECKED)})")
     ap.add_argument("--keep", help="directory for each command's raw output (default: "
-                                   "docs/benchmark-results, or a temporary one with --small "
-                                   "or --check)")
+                                   "docs/benchmark-results; with --check --out, "
+                                   "docs/reproduction-results; else a temporary one with "
+                                   "--small or --check)")
     ap.add_argument("--from", dest="source", help="render from a --keep directory (with --check: "
                                                   "compare its outputs), run nothing")
     ap.add_argument("--check", action="store_true",
@@ -499,8 +502,9 @@ def main(argv=None) -> int:
     import tempfile
 
     keep = args.source or args.keep or (
-        tempfile.mkdtemp(prefix="ray-reshard-report-") if args.small or args.check
-        else RESULTS)
+        tempfile.mkdtemp(prefix="ray-reshard-report-") if args.small
+        else (REPRODUCTION if args.out else tempfile.mkdtemp(prefix="ray-reshard-check-"))
+        if args.check else RESULTS)
     os.makedirs(keep, exist_ok=True)
     if args.check:
         page = _load_kept(args.against, names)
@@ -576,8 +580,11 @@ def check_page(table: list, names: list, small: bool, keep: str) -> str:
             r = json.load(f)
         lines.append(f"- `{r['command']}` (run {r['date_utc']} at commit `{r['commit']}`, "
                      f"{r['seconds']:.0f} s)")
-    lines += ["", "Machine: " + machine, ""]
-    return "\n".join(lines + table)
+    lines += ["", "Machine: " + machine]
+    where = os.path.relpath(keep, ROOT)
+    if not where.startswith(".."):
+        lines += ["", f"This run's raw outputs are kept in `{where}/`."]
+    return "\n".join(lines + [""] + table)
 
 
 if __name__ == "__main__":
