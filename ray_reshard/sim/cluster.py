@@ -16,7 +16,8 @@ from ..execution.program import PER_ITEM_MIN_BYTES
 GB = 1e9
 
 # Executor CPU time per item (one box of one tensor packed, unpacked or sent in place) and per
-# local tensor per process (a refit's checks before the rounds), measured on the development
+# local tensor per process (fitted: everything in a refit that grows with the local tensors;
+# the check of each before the rounds is about 0.6 us of it), measured on the development
 # machine by `python -m ray_reshard.bench.sim_calibrate` (2-core CPU box, every tensor its own
 # local tensor; host-side Python costs, which a GPU host pays too, on faster cores).
 MEASURED_ITEM_S = 0.6e-6
@@ -63,8 +64,9 @@ class Cluster:
     latency_s: float = 20e-6            # per network group a process posts
     ring_latency_s: float = 20e-6       # per ring transfer (its publish: the sender's sync or poll)
     item_s: float = MEASURED_ITEM_S
-    tensor_s: float = MEASURED_TENSOR_S  # per local tensor per process taking part (a refit's
-                                         # check; a fused tensor holding many shards is one)
+    tensor_s: float = MEASURED_TENSOR_S  # per local tensor per process taking part (fitted:
+                                         # its check and all else that grows with the count;
+                                         # a fused tensor holding many shards is one)
     shard_s: float = 0.0                # per shard per process (the view table)
     step_s: float = 0.0                 # per bucket end besides its items (the executor's step,
                                         # and the copy-table launch where `copy_tables`)
@@ -225,7 +227,9 @@ _GPU_COMMON = {
     "ring_latency_s": (ASSUMED, "20 us per ring transfer (its publish)"),
     "item_s": (MEASURED_CPU, "bench-replay: busiest DeepSeek-V3 ranks' items (charged only "
                              "where regions are copied one by one)"),
-    "tensor_s": (MEASURED_CPU, "sim_calibrate: a refit's check per local tensor"),
+    "tensor_s": (MEASURED_CPU, "sim_calibrate's fit: all a refit's per-process time that "
+                               "grows with its local tensors (their check, about 0.6 us of "
+                               "it, and the rest)"),
     "shard_s": (MEASURED_CPU, "bench-replay's check table: the view table per shard"),
     "step_s": (ASSUMED, "4.7 us executor step per bucket end (bench-replay, measured here on "
                         "CPU) + 20 us copy-table launch (assumed)"),
