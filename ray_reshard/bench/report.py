@@ -287,7 +287,9 @@ def render_calibrate(r: dict) -> list:
     ours = [x for x in o["summary"] if x["strategy"] == "reshard"]
     lines += ["", f"{len(ours) - sum(x['miss'] for x in ours)} of {len(ours)} reshard "
                   f"predictions within 25% (median over the runs), worst off by "
-                  f"{100 * o['worst']:.0f}%."]
+                  f"{100 * o['worst']:.0f}%; {sum(x['ratio'] < 1 for x in ours)} of "
+                  f"{len(ours)} predict less time than was measured (a bias, not noise, "
+                  f"where that is most of them)."]
     return lines
 
 
@@ -298,8 +300,11 @@ def render_simulate(r: dict) -> list:
              f"is a **prediction** of the simulator under the constants below.", ""]
     lines += _table(["figure", "seconds"], [
         ("reshard, predicted", f"{o['predicted_s']:.3f}"),
-        ("range with each uncertain constant halved or doubled",
+        ("range with each uncertain constant halved or doubled, and the NICs at "
+         + " or ".join(o.get("nic_efficiency_s", {})) + " of their datasheet rate",
          f"{o['sensitivity_range_s'][0]:.3f}-{o['sensitivity_range_s'][1]:.3f}"),
+        *[(f"NICs at {e} of their datasheet rate (the collective library's efficiency, not "
+           f"modelled)", f"{t:.3f}") for e, t in o.get("nic_efficiency_s", {}).items()],
         ("bound of the plan (its busiest NIC)", f"{o['bound_s']:.3f}"),
         ("bound from the layouts alone (each domain's distinct needed bytes over its own NICs)",
          f"{lb['bound_s']:.3f}"),
