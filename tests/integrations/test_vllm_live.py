@@ -131,6 +131,10 @@ def test_refit_then_generate_equals_transformers(live):
     assert {r["rank"] for r in report} == set(range(live["tp"]))
 
 
+# refusals are checked before any byte moves, the same for every model: one TP1 and one TP2
+# engine stand for all
+@pytest.mark.parametrize("live", [CASES[0], CASES[4]], indirect=True,
+                         ids=["qwen3_tied-tp1", "qwen3_moe-tp2"])
 def test_refused_refit_leaves_the_engine_serving_as_before(live):
     from ray_reshard.engines.vllm.launch import generate
 
