@@ -43,14 +43,13 @@ LAUNCH_S = 20e-6
 # A delta refit's codec (execution/delta.py), in bucket bytes per second at each end: the
 # sender's compare against its baseline and encoding, the receiver's decoding and checksum.
 # On a GPU an assumption (the codec's few torch ops over a bucket, each a pass over HBM), not
-# a measurement; the local preset's are the codec line of `python -m ray_reshard bench-delta
-# --mb 256 --steps 5 --lr 1e-6` (one CPU thread, a 16 MiB bf16 bucket with 10% of its elements
-# changed), as one run on 2026-12-04 printed it (docs/benchmarks.md shows that line from the
-# page's latest run).
+# a measurement; the local preset's are the 10%-changed row of `python -m ray_reshard
+# bench-delta --codec` (the host codec on one CPU thread, 16 MiB bf16 buckets read from 8
+# tensors, medians of 9), as one run on 2026-12-06 printed it.
 ASSUMED_DELTA_ENCODE_BPS = 300e9
 ASSUMED_DELTA_DECODE_BPS = 300e9
-MEASURED_DELTA_ENCODE_BPS = 1.03e9
-MEASURED_DELTA_DECODE_BPS = 0.97e9
+MEASURED_DELTA_ENCODE_BPS = 4.11e9
+MEASURED_DELTA_DECODE_BPS = 5.97e9
 
 
 @dataclass(frozen=True)
