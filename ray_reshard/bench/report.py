@@ -362,8 +362,9 @@ NOTES = {
               "refit never runs.",
     "delta": "Every delta refit is checked bit-identical to the trainer's weights. The "
              "\"network\" here is loopback between two simulated nodes on the same two cores "
-             "that pack, compare, encode and decode, so the bytes a delta refit saves do not "
-             "pay for the work it adds: see [Delta refits](delta.md) for the mechanism and the "
+             "that compare, encode and decode, so a delta refit saves little time here however "
+             "few bytes it sends; the shaped-link sections below measure it where a link is "
+             "slower than memory, and [Delta refits](delta.md) gives the mechanism and the "
              "simulator's predictions for clusters whose NICs bound a refit.",
     "published": "Published figures exactly as their sources give them; every figure of ours "
                  "in that table is a prediction, with the assumptions printed above it.",
