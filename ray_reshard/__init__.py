@@ -16,6 +16,17 @@ _LAZY = {"ReshardGroup": "runtime.group", "RefitResult": "runtime.result",
          "PendingRefit": "runtime.group", "models": "models",
          "connect": "session", "on_node": "session", "ClusterUnreachable": "session"}
 
+__all__ = ["BlockFP8", "Box", "ClusterUnreachable", "DEFAULT_BUCKET_BYTES", "Endpoint", "Layout",
+           "LayoutUnion", "Mesh", "Move", "PendingRefit", "Plan", "PlanError", "PlanStats",
+           "RefitError", "RefitResult", "Replicate", "ReshardGroup", "Shard", "Slot",
+           "TensorSpec", "Topology", "TransportError", "TransportTimeout", "assemble",
+           "combine_destinations", "connect", "models", "on_node", "plan", "replica_specs",
+           "shard_tensor"]
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
 
 def __getattr__(name):
     if name in _LAZY:
