@@ -254,19 +254,3 @@ def scale_view(spec, name: str, rank: int, storage, device_type: Optional[str] =
         return None, f"local scales in {slot.storage!r} have shape {tuple(view.shape)}, " \
                      f"expected {sbox.sizes} ({q!r} blocks of its shard {box})"
     return view, ""
-
-
-
-
-_MOVED = ("reference_quantize", "quantize")
-
-
-def __getattr__(name):       # the arithmetic moved to ray_reshard.execution.fp8 (0.1)
-    if name in _MOVED:
-        import warnings
-
-        from ..execution import fp8
-        warnings.warn(f"ray_reshard.layout.quant.{name} moved to "
-                      f"ray_reshard.execution.fp8.{name}", DeprecationWarning, stacklevel=2)
-        return getattr(fp8, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
