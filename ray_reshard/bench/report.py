@@ -108,7 +108,7 @@ NOISE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\s+(INFO|WARNING|ERROR)
 
 def command_line(name: str, small: bool) -> str:
     _, full, little, _ = SECTIONS[name]
-    return f"{PY} {' '.join(little if small else full)}"
+    return f"{PY} {' '.join(little if small and little is not None else full)}"
 
 
 def _commit() -> str:

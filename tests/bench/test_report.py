@@ -143,8 +143,10 @@ def test_report_small_writes_the_page(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     page = out.read_text()
     assert "**Small mode**" in page and "do not edit by hand" in page
+    small = [n for n, section in report.SECTIONS.items() if section[2] is not None]
+    assert "shaped-peers" in small and "shaped-delta" not in small
     for name in report.SECTIONS:
-        assert f"`{report.command_line(name, True)}`" in page
+        assert (f"`{report.command_line(name, True)}`" in page) == (name in small), name
     assert re.search(r"\| 32 x 128x1024 \| [0-9.]+ \[[0-9.]+-[0-9.]+\]", page)
     assert re.search(r"reshard >= 2x the object store, 32 tensors \| [0-9.]+ \[[0-9.]+-[0-9.]+\] "
                      r"\| (met|\*\*not met\*\*) \(\d of 2 runs\)", page)
