@@ -394,7 +394,7 @@ def test_random_delta_refits_equal_dense(actors, pr):
 
 
 @pytest.mark.slow
-@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
 @given(problems())
 def test_random_delta_refits_equal_dense_longer(actors, pr):
     random_case(actors, pr)
