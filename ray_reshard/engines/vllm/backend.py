@@ -51,8 +51,7 @@ from vllm.distributed.weight_transfer.base import (TrainerInitInfo, TrainerWeigh
                                                    WeightTransferUpdateInfo)
 
 from ...runtime.group import ReshardGroup
-from .routes import (IN_PLACE_MOE_BACKENDS, PACKED_COPY, describe_model,  # noqa: F401
-                     finish_expert_processing, rederive, repack_modules, route,
+from .routes import (describe_model, finish_expert_processing, rederive, repack_modules, route,
                      track_expert_processing, writable)
 from .specs import FULL, format_report, plan_specs, written_in_place
 from ..views import (WorkerView, current_actor_id, entry, export_tensors, forget,

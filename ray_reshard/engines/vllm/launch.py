@@ -76,8 +76,10 @@ def _ready(llm) -> bool:
     return True
 
 
-def _generate(llm, prompts: list, max_tokens: int, temperature: float = 0.0,
-              seed: Optional[int] = None) -> list[dict]:
+def generate_in_engine(llm, prompts: list, max_tokens: int, temperature: float = 0.0,
+                       seed: Optional[int] = None, spans: bool = False) -> list[dict]:
+    """Run inside the engine's actor: per prompt the new token ids and each one's logprob
+    (`spans`: also vLLM's ``weight_versions`` spans)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -88,22 +90,27 @@ def _generate(llm, prompts: list, max_tokens: int, temperature: float = 0.0,
     res = []
     for o in outs:
         c = o.outputs[0]
-        lps = [float(step[t].logprob) for t, step in zip(c.token_ids, c.logprobs)]
-        res.append({"token_ids": list(c.token_ids), "logprobs": lps})
+        row = {"token_ids": list(c.token_ids),
+               "logprobs": [float(step[t].logprob) for t, step in zip(c.token_ids, c.logprobs)]}
+        if spans:
+            row["weight_versions"] = [(v.version, v.start, v.end)
+                                      for v in getattr(c, "weight_versions", None) or []]
+        res.append(row)
     return res
 
 
 def generate(engine, prompts: Iterable[Sequence[int]], max_tokens: int = 8) -> list[dict]:
     """Greedy generation from token-id prompts: per prompt the new token ids and the logprob
     of each."""
-    return ray.get(engine.__ray_call__.remote(_generate, [list(p) for p in prompts], max_tokens))
+    return ray.get(engine.__ray_call__.remote(generate_in_engine, [list(p) for p in prompts],
+                                              max_tokens))
 
 
 def sample(engine, prompts: Iterable[Sequence[int]], max_tokens: int = 8, seed: int = 0,
            temperature: float = 1.0) -> list[dict]:
     """Sampled generation (reproducible from `seed`), as `generate` returns it."""
-    return ray.get(engine.__ray_call__.remote(_generate, [list(p) for p in prompts], max_tokens,
-                                              temperature, seed))
+    return ray.get(engine.__ray_call__.remote(generate_in_engine, [list(p) for p in prompts],
+                                              max_tokens, temperature, seed))
 
 
 def _load_full(worker, names: list, tensors: list) -> int:

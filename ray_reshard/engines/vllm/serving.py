@@ -29,6 +29,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from ...errors import RefitError
+from .launch import generate_in_engine
 
 __all__ = ["GatedClient", "call", "generate", "status"]
 
@@ -278,26 +279,6 @@ def call(engine, fn: Callable, *args, timeout_s: float = 300.0, **kwargs) -> tup
         pause = min(pause * 2, POLL_S[1])
 
 
-def _generate(llm, prompts: list, max_tokens: int, temperature: float,
-              seed: Optional[int]) -> list[dict]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, logprobs=0,
-                            ignore_eos=True, seed=seed)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
-                        use_tqdm=False)
-    res = []
-    for o in outs:
-        c = o.outputs[0]
-        spans = getattr(c, "weight_versions", None) or []
-        res.append({"token_ids": list(c.token_ids),
-                    "logprobs": [float(step[t].logprob) for t, step in zip(c.token_ids,
-                                                                            c.logprobs)],
-                    "weight_versions": [(s.version, s.start, s.end) for s in spans]})
-    return res
-
-
 def generate(engine, prompts: Sequence[Sequence[int]], max_tokens: int = 16, *,
              temperature: float = 0.0, seed: Optional[int] = None,
              timeout_s: float = 300.0) -> list[dict]:
@@ -305,8 +286,8 @@ def generate(engine, prompts: Sequence[Sequence[int]], max_tokens: int = 16, *,
     prompt the new token ids, each one's logprob, and ``version`` (the refit label of the
     weights that produced all of them; None: the weights the engine started with). Also
     vLLM's own ``weight_versions`` spans."""
-    version, outs = call(engine, _generate, [list(p) for p in prompts], max_tokens,
-                         temperature, seed, timeout_s=timeout_s)
+    version, outs = call(engine, generate_in_engine, [list(p) for p in prompts], max_tokens,
+                         temperature, seed, True, timeout_s=timeout_s)
     for o in outs:
         o["version"] = version
     return outs
