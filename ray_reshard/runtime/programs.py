@@ -11,6 +11,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from .._gc import gc_paused
 from ..errors import RefitError
+from ..layout.slots import Slot
 from ..layout.spec import TensorSpec
 from ..planning.plan import Plan, plan as make_plan
 from ..planning.schedule import PlanTimeout
@@ -206,9 +207,7 @@ def check_bucket(p: Plan, bucket_bytes: int) -> None:
 
 def _source_key(name: str, spec: TensorSpec) -> tuple:
     """What a spec's sources read: equal keys read the same bytes."""
-    slot = None if spec.src_slots is None else spec.src_slots.uniform
-    if spec.src_slots is None:
-        return (name, (), None, 0, spec.source_nbytes)
-    if slot is None:
-        return (name,)
-    return (slot.storage, slot.index, slot.dim, slot.offset, spec.source_nbytes)
+    if spec.src_slots is None:                   # its sources keep it whole under its name
+        return (Slot(name), spec.source_nbytes)
+    slot = spec.src_slots.uniform
+    return (slot if slot is not None else tuple(spec.src_slots), spec.source_nbytes)

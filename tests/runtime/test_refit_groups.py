@@ -2,11 +2,13 @@
 set of trainers in one refit on a real two-node Ray cluster."""
 from __future__ import annotations
 
+import pytest
 import ray
 import torch
 
 import ray_reshard as rr
 from ray_reshard.layout.placement import Replicate, Shard
+from ray_reshard.layout.slots import Slot, Slots
 from ray_reshard.testing import holders
 
 
@@ -14,16 +16,25 @@ def L(ranks, *placements, names=None):
     return rr.Layout(rr.Mesh(ranks, names), placements)
 
 
-def test_prefill_and_decode_groups_refit_in_one_call(cluster):
+@pytest.mark.parametrize("per_rank", [False, True], ids=["by-name", "per-rank-storages"])
+def test_prefill_and_decode_groups_refit_in_one_call(cluster, per_rank):
+    """`per_rank`: each trainer keeps its shards in storages of its own name (a table of
+    differing source slots), which the tensor taken in two dtypes reads twice."""
     train = L([0, 1], Shard(0))
+
+    def src(n):
+        return (Slots.from_pairs({r: Slot(f"{n}_{r}") for r in range(2)}) if per_rank
+                else None)
+
     prefill = {"w": rr.TensorSpec((32, 16), torch.bfloat16, train, L([0, 1], Shard(1)),
-                                  src_dtype=torch.float32),
-               "b": rr.TensorSpec((16,), torch.float32, train, L([0, 1], Replicate()))}
+                                  src_dtype=torch.float32, src_slots=src("w")),
+               "b": rr.TensorSpec((16,), torch.float32, train, L([0, 1], Replicate()),
+                                  src_slots=src("b"))}
     decode = {"w": rr.TensorSpec((32, 16), torch.bfloat16, train,
                                  L([[0], [1]], Replicate(), Shard(0), names=("dp", "tp")),
-                                 src_dtype=torch.float32),
+                                 src_dtype=torch.float32, src_slots=src("w")),
               "b": rr.TensorSpec((16,), torch.bfloat16, train, L([0, 1], Replicate()),
-                                 src_dtype=torch.float32)}
+                                 src_dtype=torch.float32, src_slots=src("b"))}
     specs = rr.combine_destinations({"prefill": prefill, "decode": decode})
     assert set(specs) == {"w", "b", "b#decode"}     # decode takes b in bf16: its own bytes
 
@@ -31,7 +42,8 @@ def test_prefill_and_decode_groups_refit_in_one_call(cluster):
     engines = holders(2, 1) + holders(2, 1)          # prefill ranks 0-1, decode ranks 2-3
     g = torch.Generator().manual_seed(5)
     fulls = {"w": torch.randn(32, 16, generator=g), "b": torch.randn(16, generator=g)}
-    ray.get([a.set.remote({n: rr.shard_tensor(fulls[n], train, r) for n in fulls})
+    ray.get([a.set.remote({f"{n}_{r}" if per_rank else n: rr.shard_tensor(fulls[n], train, r)
+                           for n in fulls})
              for r, a in enumerate(trainers)])
     local = []
     for r in range(4):
@@ -63,6 +75,7 @@ def test_prefill_and_decode_groups_refit_in_one_call(cluster):
             else:
                 assert result.bytes_by_path["network"] > bound
             fulls = {n: t * 2 + 1 for n, t in fulls.items()}
-            ray.get([a.set.remote({n: rr.shard_tensor(fulls[n], train, r) for n in fulls})
+            ray.get([a.set.remote({f"{n}_{r}" if per_rank else n:
+                                   rr.shard_tensor(fulls[n], train, r) for n in fulls})
                      for r, a in enumerate(trainers)])
     gb.close()
