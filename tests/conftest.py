@@ -44,11 +44,11 @@ def pytest_collectreport(report):
 
 @pytest.fixture(scope="module")
 def cluster():
-    """The session's shared two-node cluster (see ray_reshard.testing.start_cluster), connected
+    """The session's shared two-node cluster (see ray_reshard.tools.testing.start_cluster), connected
     for this module; leaving the module ends its job and the actors it made."""
     import ray
 
-    from ray_reshard.testing import start_cluster
+    from ray_reshard.tools.testing import start_cluster
 
     c = start_cluster(2)
     yield c
@@ -58,7 +58,7 @@ def cluster():
 
 
 def pytest_sessionfinish(session, exitstatus):
-    from ray_reshard.testing import shutdown_shared
+    from ray_reshard.tools.testing import shutdown_shared
 
     shutdown_shared()
     if _skipped_in_ci:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from ray_reshard.__main__ import BENCHES, OWN_PARSERS, main
+from ray_reshard.tools.cli import BENCHES, OWN_PARSERS, main
 
 SMALL = ["--model", "small-moe", "--train", "megatron:pp=2,ep=2,dp=2",
          "--infer", "vllm:tp=2,dp=2,ep=2", "--gpus-per-node", "2"]

@@ -111,7 +111,7 @@ def test_plan_and_simulate_changed_fraction():
 
 
 def test_plan_changed_fraction_out_of_range(capsys):
-    from ray_reshard.__main__ import main
+    from ray_reshard.tools.cli import main
 
     with pytest.raises(SystemExit) as e:
         main(["plan", "--model", "small-moe", "--train", "megatron:pp=2", "--infer",
@@ -159,7 +159,7 @@ def test_wrong_argument_in_a_real_process():
     (["nonsense"], ["plan", "demo"]),
 ])
 def test_wrong_arguments_one_line_status_2(args, names, capsys):
-    from ray_reshard.__main__ import main
+    from ray_reshard.tools.cli import main
 
     with pytest.raises(SystemExit) as e:
         main(args)
@@ -171,7 +171,7 @@ def test_wrong_arguments_one_line_status_2(args, names, capsys):
 
 
 def test_help_of_every_subcommand(capsys):
-    from ray_reshard.__main__ import BENCHES, main
+    from ray_reshard.tools.cli import BENCHES, main
 
     for cmd in ("plan", "demo", *BENCHES):
         with pytest.raises(SystemExit) as e:
@@ -215,7 +215,7 @@ def test_bench_small(address):
 
 @pytest.mark.slow
 def test_rebuild_small(address):
-    out = run("-m", "ray_reshard.bench.rebuild", "--repeats", "1", "--mb", "1",
+    out = run("-m", "ray_reshard.tools.bench.rebuild", "--repeats", "1", "--mb", "1",
               RAY_RESHARD_CLUSTER_ADDRESS=address).stdout
     figure(r"update\(\) \(replace 1 destination\)\s+" + NUM + "s", out)
     figure(r"new ReshardGroup \(close \+ build\)\s+" + NUM + "s", out)
@@ -226,7 +226,7 @@ def test_rebuild_small(address):
 
 @pytest.mark.slow
 def test_soak_small(address):
-    out = run("-m", "ray_reshard.bench.soak", "--refits", "4", "--every", "2", "--mb", "0.5",
+    out = run("-m", "ray_reshard.tools.bench.soak", "--refits", "4", "--every", "2", "--mb", "0.5",
               RAY_RESHARD_CLUSTER_ADDRESS=address).stdout
     assert "every sampled refit was bit-exact" in out
     rows = [line.split() for line in out.splitlines() if re.match(r"\s+\d+\s+[0-9.]+\s", line)]
@@ -256,8 +256,8 @@ def test_readme_first_example(tmp_path):
 
 
 def test_plan_from_a_config_json(tmp_path, capsys):
-    from ray_reshard.__main__ import main
-    from ray_reshard.cli_args import MODELS
+    from ray_reshard.tools.cli import main
+    from ray_reshard.tools.cli_args import MODELS
 
     (tmp_path / "config.json").write_text(json.dumps(MODELS["small-moe"][1]))
     args = ["plan", "--train", "megatron:tp=2,ep=2", "--infer", "vllm:tp=2,dp=2",
@@ -362,7 +362,7 @@ def test_bench_first_refit_small():
 def test_sim_published_row():
     """One published row: layout bound <= plan bound <= links <= ours (copy tables) <=
     per-item copies, every figure labelled a prediction."""
-    out = run("-m", "ray_reshard.bench.sim_published", "--rows", "7").stdout
+    out = run("-m", "ray_reshard.tools.bench.sim_published", "--rows", "7").stdout
     row = figure(r"3\.2-3\.3 s\s+" + r"\s+".join([NUM] * 5), out)
     ours, per_item, links, bound, layout_bound = row
     assert 0 < layout_bound <= bound <= links <= ours <= per_item
@@ -372,7 +372,7 @@ def test_sim_published_row():
 def test_sim_published_executor_variants():
     """The executor's ring behaviours switched on one row: each `ours / links` pair at or
     above the bound, links never above ours."""
-    out = run("-m", "ray_reshard.bench.sim_published", "--executor", "--rows", "7").stdout
+    out = run("-m", "ray_reshard.tools.bench.sim_published", "--executor", "--rows", "7").stdout
     row = figure(r"\n\s*7 qwen3-235b\s+" + r"\s+".join([NUM + r" / " + NUM] * 4) + r"\s+" + NUM,
                  out)
     pairs, bound = list(zip(row[0:8:2], row[1:8:2])), row[8]

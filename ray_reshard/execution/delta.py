@@ -19,7 +19,7 @@ sender's `checksum` of the new bytes (a SAME bucket too), so a destination chang
 refits is caught, not silently mixed. The checksum is the sum of the bucket's granules as
 unsigned integers, modulo 2**64 (as a signed int64).
 
-Three codecs keep this contract: `HostCodec` (one pass per end, see `delta_host`), on rows of
+Three codecs keep this contract (`codecs` picks one by device): `HostCodec` (one pass per end, see `delta_host`), on rows of
 host memory (a part's contiguous regions, no packing) or a packed bucket; `delta_cuda.CudaCodec`,
 one kernel launch per bucket and pass on CUDA; and `TorchCodec`, a few torch ops over a packed
 bucket on any device (where neither kernel can run, and the reference both are tested
@@ -76,19 +76,20 @@ def encoded_bytes(nbytes: int, g: int, changed: int) -> tuple:
     if changed == 0:
         return SAME, 0
     n = nbytes // g
-    options = [(nbytes, DENSE), (_up((n + 7) // 8, g) + changed * g, MASK),
-               (_up(changed * INDEX_BYTES, g) + changed * g, INDEX)]
+    options = [(nbytes, DENSE), (round_up((n + 7) // 8, g) + changed * g, MASK),
+               (round_up(changed * INDEX_BYTES, g) + changed * g, INDEX)]
     size, kind = min(options)
     return kind, size
 
 
-def _up(x: int, g: int) -> int:
+def round_up(x: int, g: int) -> int:
+    """`x` rounded up to a multiple of `g`."""
     return -(-x // g) * g
 
 
 def dense_after(nbytes: int, g: int) -> int:
     """Changed granules past which DENSE is the smallest encoding."""
-    return (nbytes - _up((nbytes // g + 7) // 8, g)) // g
+    return (nbytes - round_up((nbytes // g + 7) // 8, g)) // g
 
 
 def probe_from(n: int) -> int:
@@ -107,7 +108,8 @@ def expected_bytes(nbytes: int, g: int, fraction: float) -> int:
     return expected_encoding(nbytes, g, fraction)[1]
 
 
-def _signed(x: int) -> int:
+def as_signed64(x: int) -> int:
+    """`x` modulo 2**64, as a signed int64 (a checksum's form)."""
     x %= _U64
     return x - _U64 if x >> 63 else x
 
@@ -115,12 +117,12 @@ def _signed(x: int) -> int:
 def _sum(words: torch.Tensor, g: int) -> int:
     """The checksum of `words` (a bucket viewed as `_INT[g]`)."""
     if g == 1:
-        return _signed(int(words.sum(dtype=torch.int64)))
+        return as_signed64(int(words.sum(dtype=torch.int64)))
     if g in (2, 4):
-        return _signed(int((words.to(torch.int64) & ((1 << 8 * g) - 1)).sum()))
+        return as_signed64(int((words.to(torch.int64) & ((1 << 8 * g) - 1)).sum()))
     lo = int((words & 0xFFFFFFFF).sum())
     hi = int(((words >> 32) & 0xFFFFFFFF).sum())
-    return _signed(lo + (hi << 32))
+    return as_signed64(lo + (hi << 32))
 
 
 def checksum(buf: torch.Tensor, g: int) -> int:
@@ -183,7 +185,7 @@ class HostCodec:
                 e.rest = (rows, base, g, stopped)
             return e
         if changed == 0:
-            return Encoded(SAME, 0, 0, _signed(check))
+            return Encoded(SAME, 0, 0, as_signed64(check))
         kind, size = encoded_bytes(nbytes, g, changed)
         if kind == INDEX:               # few changed: their indices from the bits, then moved
             index = getattr(self._local, "index", None)
@@ -192,12 +194,12 @@ class HostCodec:
                                                         dtype=torch.int32)
             self.kernel.bits_to_index(out.data_ptr(), n, index.data_ptr(), changed)
             head = (n + 7) // 8
-            vals = out[_up(head, g):_up(head, g) + changed * g].clone()
+            vals = out[round_up(head, g):round_up(head, g) + changed * g].clone()
             at = changed * INDEX_BYTES
             out[:at].copy_(index[:changed].view(torch.uint8))
-            out[at:_up(at, g)].zero_()
-            out[_up(at, g):size].copy_(vals)
-        return Encoded(kind, size, changed, _signed(check), out[:size])
+            out[at:round_up(at, g)].zero_()
+            out[round_up(at, g):size].copy_(vals)
+        return Encoded(kind, size, changed, as_signed64(check), out[:size])
 
     def finish(self, e: Encoded) -> None:
         """Complete the baseline of a bucket encoded with `defer` (nothing if none is left)."""
@@ -225,7 +227,7 @@ class HostCodec:
         if got is None:
             raise ValueError(f"a {KINDS[kind]} delta payload of {payload.numel()} bytes does not "
                              f"fit a {nbytes}-byte bucket of {g}-byte granules")
-        return _signed(got)
+        return as_signed64(got)
 
 
 class TorchCodec:
@@ -261,8 +263,8 @@ class TorchCodec:
         else:
             at = changed * INDEX_BYTES
             out[:at].copy_(m.nonzero().view(-1).to(torch.int32).view(torch.uint8))
-        out[at:_up(at, g)].zero_()
-        out[_up(at, g):size].copy_(vals.view(torch.uint8))
+        out[at:round_up(at, g)].zero_()
+        out[round_up(at, g):size].copy_(vals.view(torch.uint8))
         b.copy_(a)
         return Encoded(kind, size, changed, check, out[:size])
 
@@ -273,10 +275,10 @@ class TorchCodec:
         n = target.numel()
         if kind == MASK:
             head = (n + 7) // 8
-            if payload.numel() < _up(head, g) or (payload.numel() - _up(head, g)) % g:
+            if payload.numel() < round_up(head, g) or (payload.numel() - round_up(head, g)) % g:
                 raise ValueError(f"a mask delta payload of {payload.numel()} bytes does not fit "
                                  f"a {into.numel()}-byte bucket of {g}-byte granules")
-            values = payload[_up(head, g):].view(_INT[g])
+            values = payload[round_up(head, g):].view(_INT[g])
             m = _unpack_bits(payload[:head], n)
             placed = int(torch.count_nonzero(m))
             if placed != values.numel():
@@ -285,7 +287,7 @@ class TorchCodec:
             target.masked_scatter_(m, values)
         elif kind == INDEX:
             count = payload.numel() // (INDEX_BYTES + g)       # padding is under one granule
-            at = _up(count * INDEX_BYTES, g)
+            at = round_up(count * INDEX_BYTES, g)
             if at + count * g != payload.numel():
                 raise ValueError(f"an index delta payload of {payload.numel()} bytes does not "
                                  f"fit {g}-byte granules")
@@ -299,46 +301,6 @@ class TorchCodec:
             raise ValueError(f"apply takes a SAME, MASK or INDEX bucket, got "
                              f"{KINDS.get(kind, kind)}")
         return _sum(target, g)
-
-
-_TORCH = TorchCodec()
-_HOST: Optional[HostCodec] = None
-
-
-def host_codec() -> Optional[HostCodec]:
-    """The host kernel's codec, or None where it cannot be built (see `delta_host.why_not`)."""
-    global _HOST
-    if _HOST is None:
-        from . import delta_host
-        k = delta_host.kernel()
-        if k is not None:
-            _HOST = HostCodec(k)
-    return _HOST
-
-
-def codec_for(device: torch.device):
-    """The codec for buckets on `device`: the host kernel in host memory, the CUDA kernel
-    (`delta_cuda`) on CUDA devices, torch ops where they cannot run."""
-    if device.type == "cpu":
-        return host_codec() or _TORCH
-    if device.type == "cuda":
-        from . import delta_cuda
-        return delta_cuda.codec() or _TORCH
-    return _TORCH
-
-
-def encode(new: torch.Tensor, base: torch.Tensor, g: int) -> Encoded:
-    """Encode `new` against `base` (uint8, one bucket each) with the codec of their device,
-    into a new output buffer; `base` then holds the new bytes."""
-    codec = codec_for(new.device)
-    out = torch.empty(new.numel(), dtype=torch.uint8, device=new.device)
-    return codec.encode(new, base, out, g, probe=new.device.type == "cpu")
-
-
-def decode(kind: int, payload: Optional[torch.Tensor], into: torch.Tensor, g: int) -> int:
-    """Apply a payload onto `into` (the baseline's bytes, uint8) in place with the codec of
-    its device; returns the checksum of the result."""
-    return codec_for(into.device).apply(kind, payload, into, g)
 
 
 def _pack_bits(mask: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from . import delta as _delta
+from . import delta
 
 THREADS = 256
 GPT = 32                                   # granules per thread: one word of change bits
@@ -72,40 +72,40 @@ class CudaCodec:
             fn((blocks,), (self.threads,), args, stream=stream)
 
     def encode(self, new: torch.Tensor, base: torch.Tensor, out: torch.Tensor, g: int,
-               probe: bool = False) -> _delta.Encoded:
+               probe: bool = False) -> delta.Encoded:
         """As `delta.HostCodec.encode`, on a packed CUDA bucket (`probe` is not supported: a
         bucket is compared whole)."""
         nbytes, n = new.numel(), new.numel() // g
         head = (n + 7) // 8
-        vo = _delta._up(head, g)
-        cap = (head + g) // _delta.INDEX_BYTES + 1
+        vo = delta.round_up(head, g)
+        cap = (head + g) // delta.INDEX_BYTES + 1
         state = torch.zeros(3 + self._blocks(n), dtype=torch.int64, device=new.device)
         idx = torch.empty(cap, dtype=torch.int32, device=new.device)
         self._launch(f"delta_encode_{g}", n, (
             new.data_ptr(), base.data_ptr(), out.data_ptr(), n, vo, (out.numel() - vo) // g,
             idx.data_ptr(), cap, state.data_ptr()), new.device)
         check, changed = (int(x) for x in state[1:3].tolist())
-        if changed > _delta.dense_after(nbytes, g):
-            return _delta.Encoded(_delta.DENSE, nbytes, changed)
+        if changed > delta.dense_after(nbytes, g):
+            return delta.Encoded(delta.DENSE, nbytes, changed)
         if changed == 0:
-            return _delta.Encoded(_delta.SAME, 0, 0, _delta._signed(check))
-        kind, size = _delta.encoded_bytes(nbytes, g, changed)
-        if kind == _delta.INDEX:
+            return delta.Encoded(delta.SAME, 0, 0, delta.as_signed64(check))
+        kind, size = delta.encoded_bytes(nbytes, g, changed)
+        if kind == delta.INDEX:
             vals = out[vo:vo + changed * g].clone()
-            at = changed * _delta.INDEX_BYTES
+            at = changed * delta.INDEX_BYTES
             out[:at].copy_(idx[:changed].view(torch.uint8))
-            out[at:_delta._up(at, g)].zero_()
-            out[_delta._up(at, g):size].copy_(vals)
-        return _delta.Encoded(kind, size, changed, _delta._signed(check), out[:size])
+            out[at:delta.round_up(at, g)].zero_()
+            out[delta.round_up(at, g):size].copy_(vals)
+        return delta.Encoded(kind, size, changed, delta.as_signed64(check), out[:size])
 
     def apply(self, kind: int, payload: Optional[torch.Tensor], into: torch.Tensor,
               g: int) -> int:
         """As `delta.HostCodec.apply`, on a packed CUDA bucket."""
-        if kind != _delta.MASK:
-            return _delta.TorchCodec().apply(kind, payload, into, g)
+        if kind != delta.MASK:
+            return delta.TorchCodec().apply(kind, payload, into, g)
         n = into.numel() // g
         head = (n + 7) // 8
-        vo = _delta._up(head, g)
+        vo = delta.round_up(head, g)
         if payload.numel() < vo or (payload.numel() - vo) % g:
             raise ValueError(f"a mask delta payload of {payload.numel()} bytes does not fit a "
                              f"{into.numel()}-byte bucket of {g}-byte granules")
@@ -122,7 +122,7 @@ class CudaCodec:
         state = torch.zeros(3 + self._blocks(n), dtype=torch.int64, device=into.device)
         self._launch(f"delta_apply_{g}", n, (into.data_ptr(), payload.data_ptr(), n, vo,
                                              n_vals, state.data_ptr()), into.device)
-        return _delta._signed(int(state[1]))
+        return delta.as_signed64(int(state[1]))
 
 
 def codec() -> Optional[CudaCodec]:

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from ..execution import delta as codec
+from ..execution import codecs, delta as codec
 from ..execution.program import SEND, RECV
 from ..planning.moves import NETWORK
 
@@ -89,7 +89,7 @@ class DeltaRun:
         self.baselines, self.version, self.held, self.device = baselines, version, held, device
         self.pid = pid
         self.only, self.held_keys = only, held_keys
-        self.codec = codec.codec_for(device)
+        self.codec = codecs.codec_for(device)
         self.ok: dict = {}            # receiving process -> whether it holds the baseline's
         self.sends: dict = {}         # step key -> (kind, size, dense bytes or None)
         self.headers: dict = {}       # step key -> (kind, size, checksum) of a receive
@@ -215,7 +215,7 @@ class DeltaRun:
         if base.device == self.device:
             return self.codec.encode(new, base, out, g)
         # a host baseline of a GPU's bucket: compared on the host, the payload copied back
-        host = codec.codec_for(base.device)
+        host = codecs.codec_for(base.device)
         cur = b.scratch_for(n, base.device, "host new")
         cur.copy_(new)
         hout = b.scratch_for(n, base.device, "host out")

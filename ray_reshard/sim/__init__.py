@@ -4,7 +4,7 @@
     res = simulate(plan, preset("dgx-h100"))        # bucket_bytes: the library's default
     res.predicted_s, res.bound_s
 
-CLI: `ray-reshard simulate --model ... --train ... --infer ... --cluster ...` (see `cli`).
+CLI: `ray-reshard simulate --model ... --train ... --infer ... --cluster ...` (`tools/simulate.py`).
 """
 from .cluster import GB, MEASURED_ITEM_S, PRESETS, Cluster, preset
 from .engine import SimResult, replay, simulate

@@ -18,7 +18,7 @@ GB = 1e9
 # Executor CPU time per item (one box of one tensor packed, unpacked or sent in place) and per
 # local tensor per process (fitted: everything in a refit that grows with the local tensors;
 # the check of each before the rounds is about 0.6 us of it), measured on the development
-# machine by `python -m ray_reshard.bench.sim_calibrate` (2-core CPU box, every tensor its own
+# machine by `python -m ray_reshard.tools.bench.sim_calibrate` (2-core CPU box, every tensor its own
 # local tensor; host-side Python costs, which a GPU host pays too, on faster cores).
 MEASURED_ITEM_S = 0.6e-6
 MEASURED_TENSOR_S = 2.3e-6
@@ -170,7 +170,7 @@ PRESETS = {
     # This machine's two simulated nodes (every rank shares 2 CPU cores): gloo over loopback as
     # the network, shared-memory rings as the domain links (their rate without the copies,
     # which are CPU work). To refresh the figures, run
-    # `python -m ray_reshard.bench.sim_calibrate --json FILE` and copy FILE's "constants"
+    # `python -m ray_reshard.tools.bench.sim_calibrate --json FILE` and copy FILE's "constants"
     # (each fitted constant by its field name, the median over the three runs) and "settings"
     # (here: single-copy rings, items of 128 KiB and more as their own messages); the delta_*
     # rates come from bench-delta (see MEASURED_DELTA_ENCODE_BPS).
@@ -184,7 +184,7 @@ PRESETS = {
 }
 
 
-# The cluster in a box (`ray_reshard.netns_cluster`): this machine's Ray nodes in network
+# The cluster in a box (`ray_reshard.tools.netns_cluster`): this machine's Ray nodes in network
 # namespaces, each node's one link shaped by tc to a known rate each way. A node's 4 ranks
 # share that link: each rank gets a quarter of it (exact where a plan spreads a node's network
 # bytes over its 4 ranks, as reshard does for 4 ranks a node; the engine has no shared per-node
@@ -247,13 +247,13 @@ PROVENANCE = {
         "nvlink_Bps": (DATASHEET, "NVLink 5: 1.8 TB/s per GPU both directions together"),
         "nic_Bps": (DATASHEET, "one 400 Gb/s ConnectX-7 per GPU"),
         **_GPU_COMMON},
-    "local": {n: (MEASURED_CPU, "python -m ray_reshard.bench.sim_calibrate")
+    "local": {n: (MEASURED_CPU, "python -m ray_reshard.tools.bench.sim_calibrate")
               for n in ("gpus_per_domain", "nvlink_Bps", "nic_Bps", "latency_s",
                         "ring_latency_s", "item_s", "tensor_s", "message_s", "fabric_Bps",
                         "domain_fabric_Bps", "refit_overhead_s", "copy_Bps", "contig_copy_Bps",
                         "cpu_cores")},
 }
-_SHAPED = {n: (MEASURED_CPU, "the local preset's (python -m ray_reshard.bench.sim_calibrate)")
+_SHAPED = {n: (MEASURED_CPU, "the local preset's (python -m ray_reshard.tools.bench.sim_calibrate)")
            for n in ("gpus_per_domain", "nvlink_Bps", "latency_s", "ring_latency_s", "item_s",
                      "tensor_s", "message_s", "domain_fabric_Bps", "refit_overhead_s",
                      "copy_Bps", "contig_copy_Bps", "cpu_cores")}

@@ -29,7 +29,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 import ray_reshard as rr
 from ray_reshard import models
-from ray_reshard.cli_args import DEEPSEEK_V3, LLAMA3_70B, QWEN3_235B
+from ray_reshard.tools.cli_args import DEEPSEEK_V3, LLAMA3_70B, QWEN3_235B
 from ray_reshard.sim import preset, simulate
 
 
@@ -197,7 +197,7 @@ def main(argv=None) -> int:
 
     local = None
     if args.mode == "cpu" and args.address is None:
-        from ray_reshard.testing import start_cluster
+        from ray_reshard.tools.testing import start_cluster
         local = start_cluster(2, shared=False)
     else:
         ray.init(address=args.address or "auto", log_to_driver=False)

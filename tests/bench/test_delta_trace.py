@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
-from ray_reshard.bench.delta_trace import (GOAL_BYTES_AT_10, ModelConfig, Synthetic, TinyGPT,
+from ray_reshard.tools.bench.delta_trace import (GOAL_BYTES_AT_10, ModelConfig, Synthetic, TinyGPT,
                                            Trainer, changed_share, codec_table, config_for,
                                            digest, goals, render_codec)
-from ray_reshard.bench.harness import MiB
+from ray_reshard.tools.bench.harness import MiB
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NUM = r"([0-9][0-9,]*\.?[0-9]*)"

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from ray_reshard.bench import report
-from ray_reshard.bench.harness import MiB, Spread, settle, store_bytes_for
-from ray_reshard.bench.peers import combine_runs, goals, ratios, shape_for
+from ray_reshard.tools.bench import report
+from ray_reshard.tools.bench.harness import MiB, Spread, settle, store_bytes_for
+from ray_reshard.tools.bench.peers import combine_runs, goals, ratios, shape_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -114,8 +114,8 @@ def test_spill_fails_loudly():
     import numpy as np
     import ray
 
-    from ray_reshard.bench.harness import SpillCheck
-    from ray_reshard.testing import local_cluster
+    from ray_reshard.tools.bench.harness import SpillCheck
+    from ray_reshard.tools.testing import local_cluster
 
     env = os.environ.pop("RAY_RESHARD_CLUSTER_ADDRESS", None)
     try:
@@ -137,7 +137,7 @@ def test_report_small_writes_the_page(tmp_path):
     """The page generator in its small mode: every section's command, a table from its output,
     the date, commit and machine."""
     out = tmp_path / "benchmarks.md"
-    p = subprocess.run([sys.executable, "-m", "ray_reshard.bench.report", "--small", "--out",
+    p = subprocess.run([sys.executable, "-m", "ray_reshard.tools.bench.report", "--small", "--out",
                         str(out), "--keep", str(tmp_path / "raw")], cwd=ROOT,
                        capture_output=True, text=True, timeout=1800)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -157,13 +157,13 @@ def test_report_small_writes_the_page(tmp_path):
     assert re.search(r"\d of \d reshard predictions within 25% \(median over the runs\)", page)
     # rendering again from the kept outputs gives the same page
     again = tmp_path / "again.md"
-    subprocess.run([sys.executable, "-m", "ray_reshard.bench.report", "--from",
+    subprocess.run([sys.executable, "-m", "ray_reshard.tools.bench.report", "--from",
                     str(tmp_path / "raw"), "--out", str(again)], cwd=ROOT, check=True,
                    capture_output=True, timeout=120)
     assert again.read_text() == page
     # --check sets a run's figures beside the kept ones' stated spread (here the run against
     # itself, from its kept outputs: every figure inside its own prediction)
-    p = subprocess.run([sys.executable, "-m", "ray_reshard.bench.report", "--check", "--from",
+    p = subprocess.run([sys.executable, "-m", "ray_reshard.tools.bench.report", "--check", "--from",
                         str(tmp_path / "raw"), "--sections", "peers", "--against",
                         str(tmp_path / "raw")], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
@@ -227,7 +227,7 @@ def test_check_compares_a_fresh_run_with_the_pages_prediction():
 
 
 def test_predicted_range_is_students_t():
-    from ray_reshard.bench.harness import predicted_range
+    from ray_reshard.tools.bench.harness import predicted_range
 
     lo, hi = predicted_range([1.0, 2.0, 3.0])        # mean 2, sd 1, t(2 df) = 4.303
     assert (lo, hi) == pytest.approx((2 - 4.303 * (4 / 3) ** 0.5, 2 + 4.303 * (4 / 3) ** 0.5))

@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from ray_reshard.bench import sim_calibrate as sc
+from ray_reshard.tools.bench import sim_calibrate as sc
 from ray_reshard.execution.program import PER_ITEM_MIN_BYTES
 from ray_reshard.sim import Cluster, preset
 

@@ -39,7 +39,7 @@ def test_a_registered_engine_is_refit_bit_for_bit():
 
 
 def test_the_command_line_finds_it_by_name(tmp_path, capsys):
-    from ray_reshard.__main__ import main
+    from ray_reshard.tools.cli import main
 
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     assert main(["plan", "--model", str(tmp_path), "--train", "megatron:tp=2",

@@ -100,7 +100,7 @@ def test_megatron_to_vllm_names_what_it_needs(monkeypatch, capsys):
 def test_examples_use_only_the_public_api():
     for path in (ROOT / "examples").glob("*.py"):
         text = path.read_text()
-        assert "ray_reshard.testing" not in text, path.name
+        assert "ray_reshard.tools.testing" not in text, path.name
 
 
 def test_on_node_places_actors_by_the_clusters_node_resources(cluster):

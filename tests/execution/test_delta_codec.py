@@ -11,10 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ray_reshard.execution import delta as D
+from ray_reshard.execution import codecs, delta as D
 from ray_reshard.execution import delta_host
 
-HOST = D.host_codec()
+HOST = codecs.host_codec()
 TORCH = D.TorchCodec()
 
 
@@ -162,7 +162,7 @@ def test_kinds_follow_density():
     kinds = {}
     for fraction in (0.0, 0.001, 0.1, 1.0):
         base, new, _ = bucket(2 * n, fraction, 1)
-        kinds[fraction] = D.encode(new, base.clone(), 2).kind
+        kinds[fraction] = codecs.encode(new, base.clone(), 2).kind
     assert kinds == {0.0: D.SAME, 0.001: D.INDEX, 0.1: D.MASK, 1.0: D.DENSE}
 
 
@@ -195,7 +195,7 @@ def test_granule_and_prediction():
 def test_apply_refuses_a_payload_that_does_not_fit(codec):
     for fraction in (0.1, 0.001):                   # a mask, an index payload
         base, new, _ = bucket(2 * 4096, fraction, 4)
-        e = D.encode(new, base.clone(), 2)
+        e = codecs.encode(new, base.clone(), 2)
         into = base.clone()
         for bad in (e.payload[:-2], e.payload[:-1], torch.cat([e.payload, e.payload[:2]])):
             with pytest.raises(ValueError):

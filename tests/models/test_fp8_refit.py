@@ -13,7 +13,7 @@ from ray_reshard.layout.quant import BlockFP8, scale_view
 from ray_reshard.models import Megatron, VLLM, Recipe, empty_storage, local_state, refit_specs
 from ray_reshard.execution.program import PER_ITEM_MIN_BYTES
 from ray_reshard.execution.reference import simulate_refit
-from ray_reshard.testing import holders
+from ray_reshard.tools.testing import holders
 
 from engine_reference import reference_state
 from models_testutil import make_model

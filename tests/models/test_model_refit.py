@@ -149,8 +149,8 @@ def test_config_forms(tmp_path):
 
 def test_bench_llama70b_real_size():
     """Real-size recipe: all bytes through reshard, at the lower bound."""
-    from ray_reshard.bench.model_bytes import measure
-    from ray_reshard.cli_args import LLAMA3_70B
+    from ray_reshard.tools.bench.model_bytes import measure
+    from ray_reshard.tools.cli_args import LLAMA3_70B
     m = measure(LLAMA3_70B, Megatron(tp=8, pp=4), VLLM(tp=8, dp=4))
     assert m["share"] == 1.0
     assert m["network"] == m["bound"]

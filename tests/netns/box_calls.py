@@ -14,9 +14,9 @@ import ray
 import torch
 
 import ray_reshard as rr
-from ray_reshard.netns_cluster import NODE_IF, links, node_indices
-from ray_reshard.plan_report import traffic
-from ray_reshard.testing import Holder
+from ray_reshard.tools.netns_cluster import NODE_IF, links, node_indices
+from ray_reshard.tools.plan_report import traffic
+from ray_reshard.tools.testing import Holder
 
 _RIGS: dict = {}
 
@@ -199,7 +199,7 @@ def fault(kind: str, mb: int = 16, count: int = 16, timeout_s: float = 6.0,
 def lower_bound_check(mb: int = 32) -> dict:
     """A dense refit's seconds beside its busiest link's bytes over the link's rate (the
     shaping holds: no refit beats the link)."""
-    from ray_reshard.netns_cluster import rate_bytes_per_s
+    from ray_reshard.tools.netns_cluster import rate_bytes_per_s
 
     L = links()
     specs, src, dst, src_l, dst_l = _rig("1", mb, 32)

@@ -1,5 +1,5 @@
 """Refits on a real multi-node Ray cluster whose nodes sit in network namespaces behind links
-shaped to 1 Gbit/s (ray_reshard.netns_cluster): the bytes each link carried, as the kernel
+shaped to 1 Gbit/s (ray_reshard.tools.netns_cluster): the bytes each link carried, as the kernel
 counts them, against what the plan and the result say; and network faults on a link.
 
 One box of 3 nodes serves the whole module (starting one takes about 20 s); its driver runs
@@ -16,7 +16,7 @@ import time
 import pytest
 
 from ray_reshard import netns_cluster
-from ray_reshard.netns_cluster import NetnsCluster, leftovers, unavailable
+from ray_reshard.tools.netns_cluster import NetnsCluster, leftovers, unavailable
 
 CALLS = os.path.join(os.path.dirname(__file__), "box_calls.py")
 # What a link carries beyond the payload: one set of headers per 64 KB offload segment as the
@@ -129,7 +129,7 @@ def test_box_of_a_killed_owner_is_removed():
     if unavailable():
         pytest.skip(unavailable())
     script = ("import sys, time\n"
-              "from ray_reshard.netns_cluster import NetnsCluster\n"
+              "from ray_reshard.tools.netns_cluster import NetnsCluster\n"
               "b = NetnsCluster(nodes=2, with_ray=False).start()\n"
               "b.popen(1, ['sleep', '600'])\n"
               "print(b.spec.box_id, flush=True)\n"

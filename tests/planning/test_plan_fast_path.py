@@ -9,7 +9,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from ray_reshard.cli_args import DEEPSEEK_V3, QWEN3_235B
+from ray_reshard.tools.cli_args import DEEPSEEK_V3, QWEN3_235B
 from ray_reshard.planning import Endpoint, plan
 from ray_reshard.layout import Layout, Mesh, Replicate, Shard, Slot, TensorSpec
 from ray_reshard.planning.share import build_share

@@ -37,7 +37,7 @@ def auth_in_worker(actor):
 def main():
     import ray_reshard as rr
     from ray_reshard.layout.placement import Replicate, Shard
-    from ray_reshard.testing import Holder
+    from ray_reshard.tools.testing import Holder
     from ray._private.authentication.authentication_utils import is_token_auth_enabled
 
     out = {}

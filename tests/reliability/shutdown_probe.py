@@ -14,7 +14,7 @@ import ray
 import torch
 
 import ray_reshard as rr
-from ray_reshard.testing import holders
+from ray_reshard.tools.testing import holders
 
 
 def slow_lookup(actor):

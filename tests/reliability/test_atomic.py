@@ -14,7 +14,7 @@ from ray import cloudpickle
 import ray_reshard as rr
 from ray_reshard.layout.placement import Replicate, Shard
 from ray_reshard.runtime import worker
-from ray_reshard.testing import Holder, start_cluster
+from ray_reshard.tools.testing import Holder, start_cluster
 
 from reliability_util import L, check_exact, fill, raw, same_raw
 

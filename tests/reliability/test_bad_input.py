@@ -16,7 +16,7 @@ from ray import cloudpickle
 import ray_reshard as rr
 from ray_reshard.layout.placement import Replicate, Shard
 from ray_reshard.runtime import worker
-from ray_reshard.testing import holders
+from ray_reshard.tools.testing import holders
 
 # Functions of this module run inside actors: ship them by value (tests/ is not importable there).
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -13,7 +13,7 @@ import torch
 from ray import cloudpickle
 
 import ray_reshard as rr
-from ray_reshard.testing import Holder
+from ray_reshard.tools.testing import Holder
 
 from reliability_util import L
 

@@ -13,7 +13,7 @@ from ray import cloudpickle
 
 import ray_reshard as rr
 from ray_reshard.runtime import worker
-from ray_reshard.testing import Holder
+from ray_reshard.tools.testing import Holder
 
 from reliability_util import L
 

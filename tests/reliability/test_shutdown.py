@@ -10,7 +10,7 @@ import ray
 import torch
 
 import ray_reshard as rr
-from ray_reshard.testing import holders
+from ray_reshard.tools.testing import holders
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -15,7 +15,7 @@ from ray import cloudpickle
 
 import ray_reshard as rr
 from ray_reshard.layout.placement import Replicate, Shard
-from ray_reshard.testing import Holder
+from ray_reshard.tools.testing import Holder
 
 from reliability_util import L
 

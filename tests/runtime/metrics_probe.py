@@ -18,7 +18,7 @@ import torch
 
 import ray_reshard as rr
 from ray_reshard.layout.placement import Shard
-from ray_reshard.testing import holders
+from ray_reshard.tools.testing import holders
 
 
 def L(ranks, *placements):

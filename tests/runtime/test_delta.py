@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import ray_reshard as rr
 from ray_reshard.errors import RefitError
 from ray_reshard.layout.placement import Replicate, Shard
-from ray_reshard.testing import Holder
+from ray_reshard.tools.testing import Holder
 
 from test_refit import mixed_specs
 

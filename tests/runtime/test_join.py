@@ -9,7 +9,7 @@ import torch
 import ray_reshard as rr
 from ray_reshard.layout.placement import Replicate, Shard
 from ray_reshard.runtime import worker
-from ray_reshard.testing import holders
+from ray_reshard.tools.testing import holders
 
 
 def L(ranks, *placements, names=None):
@@ -85,7 +85,7 @@ def test_joining_from_a_replica_ray_restarted_is_refused_and_it_is_listed_stale(
     import os
     import time
 
-    from ray_reshard.testing import Holder
+    from ray_reshard.tools.testing import Holder
 
     trainers = holders(2, 0)
     engines = [Holder.options(resources={"node1": 1}, max_restarts=1).remote() for _ in range(4)]

@@ -9,7 +9,7 @@ import torch
 from ray import cloudpickle
 
 import ray_reshard as rr
-from ray_reshard.testing import Holder
+from ray_reshard.tools.testing import Holder
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = pytest.mark.timeout(240)

@@ -7,7 +7,7 @@ import ray_reshard as rr
 from ray_reshard.layout.placement import Replicate, Shard
 
 from ray_reshard.runtime.executor import default_window
-from ray_reshard.testing import holders
+from ray_reshard.tools.testing import holders
 
 
 @pytest.fixture(scope="module")
@@ -241,7 +241,7 @@ def test_model_recipe_on_actors(actors):
     """A Qwen3-MoE-style model: Megatron PP2 x EP2 x DP2 (fp32) -> vLLM TP2 x DP2 x EP2 (bf16),
     fused qkv / gate_up / stacked experts and padded vocabulary, on real actors."""
     from ray_reshard import models
-    from ray_reshard.demo import CONFIG
+    from ray_reshard.tools.demo import CONFIG
 
     config = dict(CONFIG, hidden_size=128, moe_intermediate_size=64, intermediate_size=256,
                   num_attention_heads=4, head_dim=32, vocab_size=1000)

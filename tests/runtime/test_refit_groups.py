@@ -9,7 +9,7 @@ import torch
 import ray_reshard as rr
 from ray_reshard.layout.placement import Replicate, Shard
 from ray_reshard.layout.slots import Slot, Slots
-from ray_reshard.testing import holders
+from ray_reshard.tools.testing import holders
 
 
 def L(ranks, *placements, names=None):

@@ -6,7 +6,7 @@ import torch
 
 import ray_reshard as rr
 from ray_reshard.sim.bound import check_plan, layout_bound, tensor_needs
-from ray_reshard.sim.cli import main as cli_main
+from ray_reshard.tools.simulate import main as cli_main
 from ray_reshard.sim.cluster import ASSUMED, DATASHEET, PRESETS, PROVENANCE, constants, preset
 
 GB = 1e9

@@ -12,9 +12,9 @@ import torch
 
 import ray_reshard as rr
 from ray_reshard.execution.delta import CHUNK, MOSTLY_AFTER_CHUNKS, expected_bytes
-from ray_reshard.plan_report import delta_prediction
+from ray_reshard.tools.plan_report import delta_prediction
 from ray_reshard.sim import Cluster, messages_aggregate, messages_exact, simulate
-from ray_reshard.sim.cli import main as cli_main
+from ray_reshard.tools.simulate import main as cli_main
 from ray_reshard.sim.delta import delta_messages, simulate_delta
 
 GB = 1e9

@@ -11,7 +11,7 @@ import ray_reshard as rr
 from ray_reshard.execution.program import PER_ITEM_MIN_BYTES
 from ray_reshard.sim import (Cluster, gather_broadcast_seconds, messages_aggregate,
                              messages_exact, preset, replay, simulate)
-from ray_reshard.sim.cli import main as cli_main
+from ray_reshard.tools.simulate import main as cli_main
 
 GB = 1e9
 BARE = Cluster("bare", 4, nvlink_Bps=100 * GB, nic_Bps=10 * GB, latency_s=0.0, item_s=0.0,

@@ -1,0 +1,666 @@
+"""Delta refits vs dense refits of the same weights on the same actors, along an RL-like
+training trace or at synthetic changed fractions; and the delta codec alone.
+
+    ray-reshard bench-delta [--mb 256] [--steps 5] [--lr 1e-6]          # training trace
+    ray-reshard bench-delta --synthetic 0,0.001,0.1,0.5,1.0 [--repeats 5]
+    ray-reshard bench-delta --codec                                     # the codec, one thread
+    ray-reshard bench-delta --small                                     # a few MiB, seconds
+
+4 source actors on one simulated node hold TP4 row shards of a small transformer's bf16
+weights; 4 destination actors on another node are TP2 x DP2 (as in bench-peers). Two groups
+over those same actors: one only ever runs delta refits (`refit(specs, delta=True)`), the
+other only dense ones (into a second set of destination tensors in the same actors), so
+neither's refits make the other's fall back and each is checked on its own.
+
+* Training trace: a GPT-like model (token and position embeddings, `--layers` pre-norm
+  `nn.TransformerEncoderLayer`s with a causal mask, a final norm, an output head) built from a
+  config sized to `--mb` MiB of bf16 weights, trained with the usual mixed precision: the
+  forward and backward run on the bf16 weights, their gradients go to an fp32 master copy,
+  Adam (`--lr`, RL-like: 1e-6 by default) steps the master, and the bf16 weights (what is
+  refit) are the master rounded. The loss is REINFORCE-like: random token sequences as the
+  sampled actions, each scored by a random normalised advantage.
+* Synthetic (`--synthetic F,...`): random bf16 weights of the same model; each step flips the
+  lowest bit of each element with probability F (so that share of the elements changes), for
+  `--repeats` steps per fraction.
+
+Every step the driver ships the new weights' shards to the sources (not timed), then both
+groups refit them, one after the other, in an order that alternates step by step; each timed
+refit (from the driver's call to its return) starts once the machine is quiet
+(`harness.settle`, at most `SETTLE_LIMIT_S`). Every destination's bytes of both groups are then
+checked against the trainer's bf16 weights (a BLAKE2 digest per destination rank: bit-identical
+or the run fails). A warm-up step before the timed ones refits the initial weights with both
+(the delta group's first refit travels dense: it has no baseline). Printed per step: the share
+of the bf16 elements that changed since the previous step, network bytes of the delta refit vs
+the dense refit and the plan's lower bound, seconds of both, the delta refit's bucket
+encodings. Goals are printed from the medians (time at 0%, 10% and 100% changed and bytes at
+10% from a synthetic run, time along the trace from a trace run), with the time waited for a
+quiet machine and the load average at the start. No object store figures are involved in the
+timed refits (the shards travel through it before them), so spill counters are not read. The
+codec line (`--codec`: a table at several fractions, no cluster) times the delta codec on one
+thread of this machine as a refit runs it: encoding a 16 MiB bucket straight from the tensors
+it is cut from, and applying its payload straight into destination tensors (what the
+simulator's local preset charges per bucket byte).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from ..cli_args import Parser, fraction_arg, number_in, output_file, positive_int
+from .harness import (SETTLE_LIMIT_S, MiB, Spread, machine_facts, settle,
+                      store_bytes_for)
+
+GOAL_BYTES_AT_10 = 0.25      # delta network bytes at most this share of dense, 10% changed
+GOAL_TIME_AT_0 = 0.6         # delta refit time at most this share of dense, nothing changed
+GOAL_TIME_AT_10 = 1.0        # delta refit time at most this share of dense, 10% changed
+GOAL_TIME_AT_100 = 1.05      # delta refit time at most this share of dense, 100% changed
+GOAL_TIME_TRACE = 0.9        # delta refit time at most this share of dense, along the trace
+GOAL_SHAPED_AT_10 = 0.2      # on 1 Gbit/s links (--shaped): 10% changed
+GOAL_SHAPED_TRACE = 0.15     # ... and along the trace
+GOAL_ENCODE_GBPS = 4.0       # the codec on one thread, 10% changed: bucket GB/s encoded
+GOAL_DECODE_GBPS = 6.0       # ... and decoded (applied, checksummed)
+CODEC_FRACTIONS = (0.0, 0.001, 0.01, 0.1, 1.0)
+SMALL_MB = 4
+
+
+# ---------------------------------------------------------------- the model and its trainer
+@dataclass(frozen=True)
+class ModelConfig:
+    """A GPT-like model's sizes, and the batch it trains on."""
+
+    vocab: int
+    d_model: int
+    heads: int
+    ffn: int
+    layers: int
+    seq: int = 64
+    batch: int = 4
+
+    @property
+    def params(self) -> int:
+        d, f = self.d_model, self.ffn
+        per_layer = 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d
+        return 2 * self.vocab * d + self.seq * d + self.layers * per_layer + 2 * d
+
+
+def config_for(mb: int) -> ModelConfig:
+    """A model of about `mb` MiB of bf16 weights (at least one layer)."""
+    d = 256 if mb <= 16 else 512 if mb <= 64 else 1024
+    vocab = 2048 if d <= 256 else 8192
+    probe = ModelConfig(vocab, d, d // 64, 4 * d, 0)
+    per_layer = ModelConfig(vocab, d, d // 64, 4 * d, 1).params - probe.params
+    layers = max(1, round((mb * MiB / 2 - probe.params) / per_layer))
+    return ModelConfig(vocab, d, d // 64, 4 * d, layers)
+
+
+class TinyGPT(nn.Module):
+    """Token and position embeddings, pre-norm transformer layers (causal), norm, head."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.pos = nn.Parameter(torch.zeros(cfg.seq, cfg.d_model))
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(cfg.d_model, cfg.heads, cfg.ffn, dropout=0.0,
+                                       batch_first=True, norm_first=True)
+            for _ in range(cfg.layers))
+        self.norm = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+        for p in (self.tok.weight, self.pos, self.head.weight):
+            nn.init.normal_(p, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        n = tokens.shape[1]
+        x = self.tok(tokens) + self.pos[:n]
+        mask = nn.Transformer.generate_square_subsequent_mask(n, dtype=x.dtype)
+        for layer in self.layers:
+            x = layer(x, src_mask=mask, is_causal=True)
+        return self.head(self.norm(x))
+
+
+class Trainer:
+    """Mixed precision: forward and backward on bf16 weights, Adam on an fp32 master copy,
+    the bf16 weights rounded from it after every step."""
+
+    def __init__(self, cfg: ModelConfig, lr: float, seed: int = 0):
+        torch.manual_seed(seed)
+        self.cfg = cfg
+        self.master = TinyGPT(cfg)
+        self.model = copy.deepcopy(self.master).to(torch.bfloat16)
+        self.opt = torch.optim.Adam(self.master.parameters(), lr=lr)
+        self.gen = torch.Generator().manual_seed(seed + 1)
+
+    def weights(self) -> dict:
+        """The bf16 weights (the ones refit), by parameter name."""
+        return {n: p.detach() for n, p in self.model.named_parameters()}
+
+    def step(self) -> float:
+        """One REINFORCE-like step; returns the loss."""
+        cfg = self.cfg
+        actions = torch.randint(cfg.vocab, (cfg.batch, cfg.seq + 1), generator=self.gen)
+        advantage = torch.randn(cfg.batch, 1, generator=self.gen)
+        advantage = (advantage - advantage.mean()) / (advantage.std() + 1e-6)
+        logits = self.model(actions[:, :-1])
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, actions[:, 1:, None])[..., 0]
+        loss = -(advantage * logp).mean()
+        self.model.zero_grad(set_to_none=True)
+        loss.backward()
+        for master, low in zip(self.master.parameters(), self.model.parameters()):
+            master.grad = low.grad.float()
+        self.opt.step()
+        with torch.no_grad():
+            for master, low in zip(self.master.parameters(), self.model.parameters()):
+                low.copy_(master)
+        return float(loss.detach())
+
+
+class Synthetic:
+    """Random bf16 weights of a model's shapes; each step flips the lowest bit of each element
+    with probability `fraction`."""
+
+    def __init__(self, cfg: ModelConfig, seed: int = 0):
+        self.gen = torch.Generator().manual_seed(seed)
+        shapes = {n: p.shape for n, p in TinyGPT(cfg).named_parameters()}
+        self.w = {n: (torch.randn(s, generator=self.gen) * 0.02).to(torch.bfloat16)
+                  for n, s in shapes.items()}
+        self.fraction = 0.0
+
+    def weights(self) -> dict:
+        return self.w
+
+    def step(self) -> float:
+        f = self.fraction
+        if f <= 0:
+            return 0.0
+        for t in self.w.values():
+            bits = t.view(-1).view(torch.int16)
+            if f >= 1:
+                bits ^= 1
+            else:
+                mask = torch.rand(bits.numel(), generator=self.gen) < f
+                bits[mask] ^= 1
+        return 0.0
+
+
+def changed_share(new: dict, old: dict) -> float:
+    """Share of the elements whose bits differ between two sets of bf16 weights."""
+    changed = total = 0
+    for n, t in new.items():
+        changed += int(torch.count_nonzero(t.view(torch.int16) != old[n].view(torch.int16)))
+        total += t.numel()
+    return changed / total if total else 0.0
+
+
+# ---------------------------------------------------------------- bytes and their digests
+def digest(tensors: list) -> str:
+    """BLAKE2 of the tensors' bytes, in order."""
+    h = hashlib.blake2b(digest_size=16)
+    for t in tensors:
+        h.update(t.contiguous().view(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def region(t: torch.Tensor, box) -> torch.Tensor:
+    """The part of a full tensor a layout's box covers."""
+    for dim, (start, size) in enumerate(zip(box.offsets, box.sizes)):
+        t = t.narrow(dim, start, size)
+    return t
+
+
+def codec_rates(fraction: float = 0.1, nbytes: int = 16 * MiB, repeats: int = 9,
+                regions: int = 8) -> dict:
+    """The delta codec (`execution.codecs.codec_for` host memory: the compiled kernel where it
+    builds) on one thread of this machine, a bf16 bucket of `nbytes` with `fraction` of its
+    elements changed, read from `regions` separate tensors as a refit reads its source shards
+    in place: GB/s of bucket bytes encoded (compare, compaction, checksum, the baseline kept)
+    and decoded (applied straight into `regions` destination tensors, with the checksum);
+    medians of `repeats`, each on fresh copies."""
+    import numpy as np
+
+    from ...execution import codecs, delta as codec
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        c = codecs.codec_for(torch.device("cpu"))
+        g = torch.Generator().manual_seed(7)
+        old = (torch.randn(nbytes // 2, generator=g) * 0.02).to(torch.bfloat16)
+        new = old.clone()
+        mask = torch.rand(new.numel(), generator=g) < fraction
+        new.view(torch.int16)[mask] ^= 1
+        ob, nb = old.view(torch.uint8), new.view(torch.uint8)
+        cut = [len(x) for x in np.array_split(np.arange(nbytes // 2), regions)]
+        src = [t.clone() for t in torch.split(nb, [2 * k for k in cut])]
+        rows = np.array([[t.data_ptr(), t.numel()] for t in src], dtype=np.int64)
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        enc_s, dec_s = [], []
+        for _ in range(repeats):
+            base = ob.clone()
+            t0 = time.perf_counter()
+            enc = c.encode(rows if c.name == "host" else nb, base, out, 2, probe=True)
+            enc_s.append(time.perf_counter() - t0)
+            dst = [t.clone() for t in torch.split(ob, [2 * k for k in cut])]
+            drows = np.array([[t.data_ptr(), t.numel()] for t in dst], dtype=np.int64)
+            t0 = time.perf_counter()
+            if enc.kind != codec.DENSE:
+                check = c.apply(enc.kind, enc.payload, drows if c.name == "host" else dst[0], 2)
+                if check != enc.check:
+                    raise RuntimeError("codec benchmark: the decoded bucket's checksum differs")
+            dec_s.append(time.perf_counter() - t0)
+            if enc.kind != codec.DENSE and not torch.equal(torch.cat(dst), nb):
+                raise RuntimeError("codec benchmark: the decoded bucket is not the new one")
+    finally:
+        torch.set_num_threads(threads)
+    return {"fraction": fraction, "bucket_bytes": nbytes, "encoding": codec.KINDS[enc.kind],
+            "codec": c.name, "regions": regions, "repeats": repeats,
+            "encode_GBps": nbytes / statistics.median(enc_s) / 1e9,
+            "decode_GBps": (nbytes / statistics.median(dec_s) / 1e9
+                            if enc.kind != codec.DENSE else None),
+            "encode_s": enc_s, "decode_s": dec_s}
+
+
+def codec_table(fractions=CODEC_FRACTIONS, nbytes: int = 16 * MiB, repeats: int = 9) -> list:
+    """`codec_rates` at each of `fractions`."""
+    return [codec_rates(f, nbytes, repeats) for f in fractions]
+
+
+def render_codec(rows: list) -> str:
+    lines = [f"codec on one thread of this machine ({rows[0]['codec']} codec, "
+             f"{rows[0]['bucket_bytes'] // MiB} MiB bf16 buckets read from "
+             f"{rows[0]['regions']} tensors, medians of {rows[0]['repeats']}):",
+             f"{'changed':>9} {'encoding':>9} {'encode GB/s':>12} {'decode GB/s':>12}"]
+    for r in rows:
+        dec = "-" if r["decode_GBps"] is None else f"{r['decode_GBps']:.2f}"
+        lines.append(f"{r['fraction']:>9g} {r['encoding']:>9} {r['encode_GBps']:>12.2f} "
+                     f"{dec:>12}")
+    at10 = next((r for r in rows if r["fraction"] == 0.1), None)
+    if at10 is not None:
+        for what, goal in (("encode", GOAL_ENCODE_GBPS), ("decode", GOAL_DECODE_GBPS)):
+            got = at10[f"{what}_GBps"]
+            lines.append(f"  goal: {what} >= {goal:g} GB/s per thread at 10% changed: "
+                         f"{got:.2f}  {'met' if got >= goal else 'NOT met'}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the actors
+def _shards_class():
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Shards:
+        """Holds named tensors, twice on a destination (one set per group: the delta group
+        writes `t`, the dense group `dense`); loads new values in place; digests them."""
+
+        def __init__(self):
+            self.t, self.dense = {}, {}
+
+        def make(self, shapes: dict, both: bool = False):
+            self.t = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in shapes.items()}
+            self.dense = ({n: torch.zeros(s, dtype=torch.bfloat16) for n, s in shapes.items()}
+                          if both else self.t)
+
+        def load(self, tensors: dict):
+            for n, v in tensors.items():
+                self.t[n].copy_(v)
+
+        def reshard_tensors(self):
+            return self.t
+
+        def digest(self, names: list, dense: bool = False) -> str:
+            return digest([(self.dense if dense else self.t)[n] for n in names])
+
+    return Shards
+
+
+def dense_tensors(actor) -> dict:
+    """What the dense group reads and writes in a `Shards` actor."""
+    return actor.dense
+
+
+# ---------------------------------------------------------------- the run
+def measure(mode: str, cfg: ModelConfig, steps: int, lr: float, fractions: list, repeats: int,
+            bucket_mb: int = 16, baseline: str = "device", log=print,
+            in_box: bool = False) -> dict:
+    """Run the trace (`mode` "trace": `steps` training steps) or the synthetic sweep (`mode`
+    "synthetic": `repeats` steps at each of `fractions`); returns every step's figures.
+    `in_box`: run on the cluster in a box this driver runs in (`netns_cluster`), each timed
+    refit's bytes on its links counted by the kernel."""
+    import contextlib
+
+    import ray
+
+    import ray_reshard as rr
+    from ray_reshard.layout.placement import Replicate, Shard
+    from ray_reshard.tools.testing import local_cluster
+
+    weights_bytes = cfg.params * 2
+    src_l = rr.Layout(rr.Mesh([0, 1, 2, 3]), (Shard(0),))
+    dst_l = rr.Layout(rr.Mesh([[0, 1], [2, 3]], ("dp", "tp")), (Replicate(), Shard(0)))
+    out = {"mode": mode, "config": asdict(cfg), "weights_bytes": weights_bytes,
+           "bucket_mb": bucket_mb, "delta_baseline": baseline,
+           "layout": "TP4 (4 actors, node 0) -> TP2 x DP2 (4 actors, node 1), bf16",
+           "machine": machine_facts(), "steps": []}
+    if mode == "trace":
+        out["lr"] = lr
+        source = Trainer(cfg, lr)
+    else:
+        source = Synthetic(cfg)
+    out["codec"] = codec_rates()
+    log(render_codec([out["codec"]]))
+    weights = source.weights()
+    names = list(weights)
+    specs = {n: rr.TensorSpec(tuple(t.shape), torch.bfloat16, src_l, dst_l)
+             for n, t in weights.items()}
+    counted = None
+    if in_box:
+        from .shaped import Counted
+        counted = Counted()
+        out["links"] = {"rate": counted.links.spec.rate, "mtu": counted.links.spec.mtu}
+    with (contextlib.nullcontext() if in_box else
+          local_cluster(2, store_bytes=store_bytes_for(weights_bytes))):
+        Shards = _shards_class()
+        src = [Shards.options(resources={"node0": 1}).remote() for _ in range(4)]
+        dst = [Shards.options(resources={"node1": 1}).remote() for _ in range(4)]
+        boxes = {side: [{n: s.layout(side).box(r, s.shape) for n, s in specs.items()}
+                        for r in range(4)] for side in ("src", "dst")}
+        ray.get([a.make.remote({n: tuple(b.sizes) for n, b in boxes["src"][r].items()})
+                 for r, a in enumerate(src)])
+        ray.get([a.make.remote({n: tuple(b.sizes) for n, b in boxes["dst"][r].items()}, True)
+                 for r, a in enumerate(dst)])
+        bucket = bucket_mb * MiB
+        delta_group = rr.ReshardGroup(src, dst, bucket_bytes=bucket, delta_baseline=baseline)
+        dense_group = rr.ReshardGroup(src, dst, bucket_bytes=bucket, tensors=dense_tensors)
+        try:
+            log(f"{out['layout']}; {cfg.layers} layers of d_model {cfg.d_model}, "
+                f"{len(specs)} tensors, {weights_bytes / MiB:.1f} MiB of bf16 weights; "
+                f"{bucket_mb} MiB buckets, delta baselines in {baseline} memory; each group "
+                f"writes its own destination tensors in the same actors")
+
+            def ship(w: dict) -> None:
+                ray.get([a.load.remote({n: region(w[n], boxes["src"][r][n]).clone()
+                                        for n in names}) for r, a in enumerate(src)])
+
+            def verify(w: dict, what: str, dense: bool = False) -> None:
+                want = {}
+                refs = [a.digest.remote(names, dense) for a in dst]
+                for r in range(4):
+                    key = tuple(tuple(boxes["dst"][r][n].offsets) for n in names)
+                    if key not in want:
+                        want[key] = digest([region(w[n], boxes["dst"][r][n]) for n in names])
+                    got = ray.get(refs[r])
+                    if got != want[key]:
+                        raise RuntimeError(f"{what}: destination {r} does not hold the "
+                                           f"trainer's bf16 weights bit for bit")
+
+            waits = []
+
+            def timed(group, **kw):
+                """(result, seconds, bytes out of every node's link or None) of one refit."""
+                waits.append(settle())          # work the last run left ends first
+                got = []
+
+                def run():
+                    t0 = time.perf_counter()
+                    got.append(group.refit(specs, **kw))
+                    return time.perf_counter() - t0
+                if counted is None:
+                    return got, run(), None
+                secs, wire = counted(run)
+                return got, secs, sum(sent for sent, _ in wire.values())
+
+            ship(weights)
+            (first,), _, _ = timed(delta_group, delta=True)
+            verify(weights, "warm-up delta refit")
+            timed(dense_group)
+            verify(weights, "warm-up dense refit", dense=True)
+            out["warm_up_fallbacks"] = list(first.delta["fallbacks"]) if first.delta else []
+            log(f"warm-up: the delta group's first refit travelled dense "
+                f"({len(out['warm_up_fallbacks'])} sender -> receiver pairs without a "
+                f"baseline)")
+            plan_stats = first.plan_stats
+            out["lower_bound_bytes"] = plan_stats.min_network_bytes
+            log(header())
+            schedule = ([(None, i) for i in range(steps)] if mode == "trace" else
+                        [(f, i) for f in fractions for i in range(repeats)])
+            previous = {n: t.clone() for n, t in weights.items()}
+            for k, (fraction, i) in enumerate(schedule):
+                if fraction is not None:
+                    source.fraction = fraction
+                t0 = time.perf_counter()
+                loss = source.step()
+                step_s = time.perf_counter() - t0
+                weights = source.weights()
+                share = changed_share(weights, previous)
+                for n, t in weights.items():
+                    previous[n].copy_(t)
+                ship(weights)
+                # the order alternates step by step, so neither method always runs first
+                delta_first = k % 2 == 0
+                if not delta_first:
+                    (n_res,), n_s, n_wire = timed(dense_group)
+                (d_res,), d_s, d_wire = timed(delta_group, delta=True)
+                if delta_first:
+                    (n_res,), n_s, n_wire = timed(dense_group)
+                verify(weights, f"step {k + 1} delta refit")
+                verify(weights, f"step {k + 1} dense refit", dense=True)
+                row = {"step": k + 1, "fraction": fraction, "changed": share,
+                       "loss": loss, "step_s": step_s, "first": "delta" if delta_first else
+                       "dense", "delta_s": d_s, "dense_s": n_s,
+                       "delta_network_bytes": d_res.bytes_by_path["network"],
+                       "dense_network_bytes": n_res.bytes_by_path["network"],
+                       "lower_bound_bytes": n_res.plan_stats.min_network_bytes,
+                       "delta": d_res.delta, "verified": True}
+                if counted is not None:         # what the links carried, as the kernel counts
+                    row["delta_wire_bytes"], row["dense_wire_bytes"] = d_wire, n_wire
+                out["steps"].append(row)
+                log(render_step(row), flush=True)
+            out["settle"] = {"runs": len(waits), "waited_s": round(sum(waits), 2),
+                             "limit_s": SETTLE_LIMIT_S,
+                             "at_limit": sum(w >= SETTLE_LIMIT_S for w in waits)}
+        finally:
+            delta_group.close()
+            dense_group.close()
+    out["summary"] = summarise(out["steps"], mode)
+    out["goals"] = goals(out["summary"], shaped=in_box)
+    return out
+
+
+def measure_in_box(**kwargs) -> dict:
+    """`measure` in the driver of a cluster in a box (`bench.shaped.run_in_box`), JSON out."""
+    kwargs["cfg"] = ModelConfig(**kwargs["cfg"])
+    return json.loads(json.dumps(measure(**kwargs, in_box=True), default=str))
+
+
+def header() -> str:
+    return (f"{'step':>4} {'changed':>9} {'delta MiB':>10} {'dense MiB':>10} {'bound MiB':>10} "
+            f"{'bytes':>6} {'delta s':>8} {'dense s':>8} {'time':>6}  "
+            f"encodings same/mask/index/dense  checked")
+
+
+def render_step(row: dict) -> str:
+    enc = row["delta"]["encodings"] if row["delta"] else {}
+    return (f"{row['step']:>4} {row['changed']:>9.5f} {row['delta_network_bytes'] / MiB:>10.2f} "
+            f"{row['dense_network_bytes'] / MiB:>10.2f} {row['lower_bound_bytes'] / MiB:>10.2f} "
+            f"{row['delta_network_bytes'] / max(row['dense_network_bytes'], 1):>5.3f}x "
+            f"{row['delta_s']:>8.3f} {row['dense_s']:>8.3f} "
+            f"{row['delta_s'] / row['dense_s']:>5.2f}x  "
+            f"{'/'.join(str(enc.get(k, 0)) for k in ('same', 'mask', 'index', 'dense')):>31}"
+            f"  {'bit-identical' if row['verified'] else 'NO'}"
+            + (f"  wire MiB {row['delta_wire_bytes'] / MiB:.2f} / "
+               f"{row['dense_wire_bytes'] / MiB:.2f}" if "delta_wire_bytes" in row else ""))
+
+
+def summarise(steps: list, mode: str) -> list:
+    """Medians and ranges per synthetic fraction (or over the whole trace)."""
+    groups: dict = {}
+    for row in steps:
+        groups.setdefault(row["fraction"] if mode == "synthetic" else "trace", []).append(row)
+    out = []
+    for key, rows in groups.items():
+        out.append({
+            "fraction": key, "steps": len(rows),
+            "changed": Spread([r["changed"] for r in rows]).as_dict(),
+            "delta_network_bytes": Spread([r["delta_network_bytes"] for r in rows]).as_dict(),
+            "dense_network_bytes": Spread([r["dense_network_bytes"] for r in rows]).as_dict(),
+            "delta_s": Spread([r["delta_s"] for r in rows]).as_dict(),
+            "dense_s": Spread([r["dense_s"] for r in rows]).as_dict()})
+        if "delta_wire_bytes" in rows[0]:
+            for k in ("delta_wire_bytes", "dense_wire_bytes"):
+                out[-1][k] = Spread([r[k] for r in rows]).as_dict()
+    return out
+
+
+def render_summary(summary: list) -> str:
+    lines = [f"{'changed':>10} {'steps':>5} {'delta MiB: median [range]':>28} "
+             f"{'dense MiB':>10} {'bytes':>6} {'delta s: median [range]':>26} "
+             f"{'dense s: median [range]':>26} {'time':>6}"]
+    for s in summary:
+        label = "trace" if s["fraction"] == "trace" else f"{s['fraction']:g}"
+        d, n = Spread(s["delta_network_bytes"]["values"]), s["dense_network_bytes"]["median"]
+        ds, ns = Spread(s["delta_s"]["values"]), Spread(s["dense_s"]["values"])
+        lines.append(f"{label:>10} {s['steps']:>5} {d.text(MiB, 2):>28} {n / MiB:>10.2f} "
+                     f"{d.median / max(n, 1):>5.3f}x {ds.text():>26} {ns.text():>26} "
+                     f"{ds.median / ns.median:>5.2f}x")
+        if "delta_wire_bytes" in s:
+            dw, nw = s["delta_wire_bytes"]["median"], s["dense_wire_bytes"]["median"]
+            lines.append(f"{'':>10} {'':>5} bytes out of the nodes' links (kernel counters): "
+                         f"delta {dw / MiB:.2f} MiB, dense {nw / MiB:.2f} MiB "
+                         f"({dw / max(nw, 1):.3f}x)")
+    return "\n".join(lines)
+
+
+def goals(summary: list, shaped: bool = False) -> list:
+    """The goals, from the medians: time at 0%, 10% and 100% changed and bytes at 10% (a
+    synthetic run), time along the trace (a trace run); on shaped links (`shaped`) the time at
+    10% changed and along the trace; the others listed as not measured."""
+    by = {s["fraction"]: s for s in summary}
+    ratio = lambda s, what: s[f"delta_{what}"]["median"] / s[f"dense_{what}"]["median"]
+    rows = []
+    table = ((0.1, "s", GOAL_SHAPED_AT_10, "delta refit time <= %g x dense, 10%% changed"),
+             ("trace", "s", GOAL_SHAPED_TRACE, "delta refit time <= %g x dense, RL trace")) \
+        if shaped else (
+            (0.0, "s", GOAL_TIME_AT_0, "delta refit time <= %g x dense, nothing changed"),
+            (0.1, "network_bytes", GOAL_BYTES_AT_10,
+             "delta network bytes <= %g x dense, 10%% changed"),
+            (0.1, "s", GOAL_TIME_AT_10, "delta refit time <= %g x dense, 10%% changed"),
+            (1.0, "s", GOAL_TIME_AT_100, "delta refit time <= %g x dense, 100%% changed"),
+            ("trace", "s", GOAL_TIME_TRACE, "delta refit time <= %g x dense, RL trace"))
+    for fraction, what, limit, text in table:
+        s = by.get(fraction)
+        measured = ratio(s, what) if s else None
+        rows.append({"goal": text % limit, "measured": measured,
+                     "met": measured is not None and measured <= limit,
+                     "needs": "the trace (no --synthetic)" if fraction == "trace" else
+                     f"--synthetic with {fraction:g}"})
+    return rows
+
+
+def render_goals(rows: list) -> str:
+    lines = ["goals (ratios of medians):"]
+    for g in rows:
+        m = f"not measured (needs {g['needs']})" if g["measured"] is None else \
+            f"{g['measured']:6.3f}  {'met' if g['met'] else 'NOT met'}"
+        lines.append(f"  {g['goal']:<50} {m}")
+    return "\n".join(lines)
+
+
+def fractions_arg(text: str) -> list:
+    """Comma-separated fractions in [0, 1]."""
+    try:
+        out = [fraction_arg(x) for x in text.split(",") if x.strip()]
+    except argparse.ArgumentTypeError:
+        out = []
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected comma-separated fractions in [0, 1], "
+                                         f"got {text!r}")
+    return out
+
+
+def lr_arg(text: str) -> float:
+    return number_in(text, lambda v: 0 < v < 1, "a learning rate in (0, 1)")
+
+
+def add_args(ap) -> None:
+    ap.add_argument("--mb", type=positive_int, default=256,
+                    help="MiB of bf16 weights (default 256; --small: %d)" % SMALL_MB)
+    ap.add_argument("--steps", type=positive_int, default=5,
+                    help="training steps of the trace (default 5; --small: 2)")
+    ap.add_argument("--lr", type=lr_arg, default=1e-6,
+                    help="Adam's learning rate (default 1e-6; RL runs use 1e-6 to 1e-5)")
+    ap.add_argument("--synthetic", type=fractions_arg, metavar="F,F,...",
+                    help="instead of training, flip that share of the elements per step, e.g. "
+                         "0,0.001,0.1,0.5,1.0 (the goals need 0, 0.1 and 1.0)")
+    ap.add_argument("--repeats", type=positive_int, default=5,
+                    help="steps per synthetic fraction (default 5; --small: 2)")
+    ap.add_argument("--bucket-mb", type=positive_int, default=16, help="bucket size (default 16)")
+    ap.add_argument("--baseline", choices=("device", "host"), default="device",
+                    help="where senders keep their delta baseline (default device)")
+    ap.add_argument("--small", action="store_true",
+                    help="a few MiB and 2 steps (repeats): seconds, for tests")
+    ap.add_argument("--shaped", metavar="RATE",
+                    help="run on a cluster in a box instead (2 Ray nodes in network namespaces, "
+                         "each link shaped to RATE both ways, e.g. 1gbit; needs root, ip, tc): "
+                         "the links' bytes counted by the kernel, the shaped-link goals judged")
+    ap.add_argument("--codec", action="store_true",
+                    help="only the codec on one thread (no cluster): GB/s encoded and decoded "
+                         "at 0, 0.1%%, 1%%, 10%% and 100%% changed, medians of 9 (or --repeats, if "
+                         "more)")
+    ap.add_argument("--json", metavar="PATH", type=output_file,
+                    help="also write every figure as JSON")
+
+
+def run(args) -> int:
+    mb, steps, repeats, bucket_mb = args.mb, args.steps, args.repeats, args.bucket_mb
+    if args.codec:
+        rows = codec_table(repeats=max(repeats, 9) if not args.small else 3,
+                           nbytes=(1 if args.small else 16) * MiB)
+        print(render_codec(rows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"codec": rows, "machine": machine_facts()}, f, indent=1,
+                          default=str)
+        return 0
+    if args.small:
+        mb, steps, repeats, bucket_mb = SMALL_MB, 2, 2, 1
+    cfg = config_for(mb)
+    mode = "synthetic" if args.synthetic else "trace"
+    if args.shaped:
+        from .shaped import run_in_box
+        out = run_in_box("ray_reshard.tools.bench.delta_trace:measure_in_box",
+                         dict(mode=mode, cfg=asdict(cfg), steps=steps, lr=args.lr,
+                              fractions=args.synthetic or [], repeats=repeats,
+                              bucket_mb=bucket_mb, baseline=args.baseline),
+                         nodes=2, rate=args.shaped,
+                         store_bytes=store_bytes_for(cfg.params * 2), log=print)
+    else:
+        out = measure(mode, cfg, steps, args.lr, args.synthetic or [], repeats, bucket_mb,
+                      args.baseline, log=print)
+    print()
+    print(("median [range] per fraction:" if mode == "synthetic" else
+           f"median [range] over the {steps} steps of the trace (lr {args.lr:g}):"))
+    print(render_summary(out["summary"]))
+    print(render_goals(out["goals"]))
+    st = out["settle"]
+    print(f"quiet-machine wait before each timed refit: {st['waited_s']:.1f} s in all over "
+          f"{st['runs']} refits ({st['at_limit']} gave up after {st['limit_s']:g} s); load "
+          f"average at the start {out['machine']['load_avg_1m']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    ap = Parser(prog="python -m ray_reshard.tools.bench.delta_trace",
+                description=__doc__.splitlines()[0])
+    add_args(ap)
+    raise SystemExit(run(ap.parse_args()))
