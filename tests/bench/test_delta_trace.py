@@ -9,9 +9,10 @@ import sys
 import pytest
 import torch
 
-from ray_reshard.tools.bench.delta_trace import (GOAL_BYTES_AT_10, ModelConfig, Synthetic, TinyGPT,
-                                           Trainer, changed_share, codec_table, config_for,
-                                           digest, goals, render_codec)
+from ray_reshard.tools.bench.delta_codec import codec_table, render_codec
+from ray_reshard.tools.bench.delta_trace import GOAL_BYTES_AT_10, goals
+from ray_reshard.tools.bench.trace_model import (ModelConfig, Synthetic, TinyGPT, Trainer,
+                                                 changed_share, config_for, digest)
 from ray_reshard.tools.bench.harness import MiB
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

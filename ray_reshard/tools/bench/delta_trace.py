@@ -44,19 +44,17 @@ simulator's local preset charges per bucket byte).
 from __future__ import annotations
 
 import argparse
-import copy
-import hashlib
 import json
-import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
-from torch import nn
 
 from ..cli_args import Parser, fraction_arg, number_in, output_file, positive_int
+from .delta_codec import codec_rates, codec_table, render_codec
 from .harness import (SETTLE_LIMIT_S, MiB, Spread, machine_facts, settle,
                       store_bytes_for)
+from .trace_model import ModelConfig, Synthetic, Trainer, changed_share, config_for, digest, region
 
 GOAL_BYTES_AT_10 = 0.25      # delta network bytes at most this share of dense, 10% changed
 GOAL_TIME_AT_0 = 0.6         # delta refit time at most this share of dense, nothing changed
@@ -65,230 +63,7 @@ GOAL_TIME_AT_100 = 1.05      # delta refit time at most this share of dense, 100
 GOAL_TIME_TRACE = 0.9        # delta refit time at most this share of dense, along the trace
 GOAL_SHAPED_AT_10 = 0.2      # on 1 Gbit/s links (--shaped): 10% changed
 GOAL_SHAPED_TRACE = 0.15     # ... and along the trace
-GOAL_ENCODE_GBPS = 4.0       # the codec on one thread, 10% changed: bucket GB/s encoded
-GOAL_DECODE_GBPS = 6.0       # ... and decoded (applied, checksummed)
-CODEC_FRACTIONS = (0.0, 0.001, 0.01, 0.1, 1.0)
 SMALL_MB = 4
-
-
-# ---------------------------------------------------------------- the model and its trainer
-@dataclass(frozen=True)
-class ModelConfig:
-    """A GPT-like model's sizes, and the batch it trains on."""
-
-    vocab: int
-    d_model: int
-    heads: int
-    ffn: int
-    layers: int
-    seq: int = 64
-    batch: int = 4
-
-    @property
-    def params(self) -> int:
-        d, f = self.d_model, self.ffn
-        per_layer = 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d
-        return 2 * self.vocab * d + self.seq * d + self.layers * per_layer + 2 * d
-
-
-def config_for(mb: int) -> ModelConfig:
-    """A model of about `mb` MiB of bf16 weights (at least one layer)."""
-    d = 256 if mb <= 16 else 512 if mb <= 64 else 1024
-    vocab = 2048 if d <= 256 else 8192
-    probe = ModelConfig(vocab, d, d // 64, 4 * d, 0)
-    per_layer = ModelConfig(vocab, d, d // 64, 4 * d, 1).params - probe.params
-    layers = max(1, round((mb * MiB / 2 - probe.params) / per_layer))
-    return ModelConfig(vocab, d, d // 64, 4 * d, layers)
-
-
-class TinyGPT(nn.Module):
-    """Token and position embeddings, pre-norm transformer layers (causal), norm, head."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
-        self.pos = nn.Parameter(torch.zeros(cfg.seq, cfg.d_model))
-        self.layers = nn.ModuleList(
-            nn.TransformerEncoderLayer(cfg.d_model, cfg.heads, cfg.ffn, dropout=0.0,
-                                       batch_first=True, norm_first=True)
-            for _ in range(cfg.layers))
-        self.norm = nn.LayerNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
-        for p in (self.tok.weight, self.pos, self.head.weight):
-            nn.init.normal_(p, std=0.02)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        n = tokens.shape[1]
-        x = self.tok(tokens) + self.pos[:n]
-        mask = nn.Transformer.generate_square_subsequent_mask(n, dtype=x.dtype)
-        for layer in self.layers:
-            x = layer(x, src_mask=mask, is_causal=True)
-        return self.head(self.norm(x))
-
-
-class Trainer:
-    """Mixed precision: forward and backward on bf16 weights, Adam on an fp32 master copy,
-    the bf16 weights rounded from it after every step."""
-
-    def __init__(self, cfg: ModelConfig, lr: float, seed: int = 0):
-        torch.manual_seed(seed)
-        self.cfg = cfg
-        self.master = TinyGPT(cfg)
-        self.model = copy.deepcopy(self.master).to(torch.bfloat16)
-        self.opt = torch.optim.Adam(self.master.parameters(), lr=lr)
-        self.gen = torch.Generator().manual_seed(seed + 1)
-
-    def weights(self) -> dict:
-        """The bf16 weights (the ones refit), by parameter name."""
-        return {n: p.detach() for n, p in self.model.named_parameters()}
-
-    def step(self) -> float:
-        """One REINFORCE-like step; returns the loss."""
-        cfg = self.cfg
-        actions = torch.randint(cfg.vocab, (cfg.batch, cfg.seq + 1), generator=self.gen)
-        advantage = torch.randn(cfg.batch, 1, generator=self.gen)
-        advantage = (advantage - advantage.mean()) / (advantage.std() + 1e-6)
-        logits = self.model(actions[:, :-1])
-        logp = torch.log_softmax(logits.float(), -1).gather(-1, actions[:, 1:, None])[..., 0]
-        loss = -(advantage * logp).mean()
-        self.model.zero_grad(set_to_none=True)
-        loss.backward()
-        for master, low in zip(self.master.parameters(), self.model.parameters()):
-            master.grad = low.grad.float()
-        self.opt.step()
-        with torch.no_grad():
-            for master, low in zip(self.master.parameters(), self.model.parameters()):
-                low.copy_(master)
-        return float(loss.detach())
-
-
-class Synthetic:
-    """Random bf16 weights of a model's shapes; each step flips the lowest bit of each element
-    with probability `fraction`."""
-
-    def __init__(self, cfg: ModelConfig, seed: int = 0):
-        self.gen = torch.Generator().manual_seed(seed)
-        shapes = {n: p.shape for n, p in TinyGPT(cfg).named_parameters()}
-        self.w = {n: (torch.randn(s, generator=self.gen) * 0.02).to(torch.bfloat16)
-                  for n, s in shapes.items()}
-        self.fraction = 0.0
-
-    def weights(self) -> dict:
-        return self.w
-
-    def step(self) -> float:
-        f = self.fraction
-        if f <= 0:
-            return 0.0
-        for t in self.w.values():
-            bits = t.view(-1).view(torch.int16)
-            if f >= 1:
-                bits ^= 1
-            else:
-                mask = torch.rand(bits.numel(), generator=self.gen) < f
-                bits[mask] ^= 1
-        return 0.0
-
-
-def changed_share(new: dict, old: dict) -> float:
-    """Share of the elements whose bits differ between two sets of bf16 weights."""
-    changed = total = 0
-    for n, t in new.items():
-        changed += int(torch.count_nonzero(t.view(torch.int16) != old[n].view(torch.int16)))
-        total += t.numel()
-    return changed / total if total else 0.0
-
-
-# ---------------------------------------------------------------- bytes and their digests
-def digest(tensors: list) -> str:
-    """BLAKE2 of the tensors' bytes, in order."""
-    h = hashlib.blake2b(digest_size=16)
-    for t in tensors:
-        h.update(t.contiguous().view(-1).view(torch.uint8).numpy())
-    return h.hexdigest()
-
-
-def region(t: torch.Tensor, box) -> torch.Tensor:
-    """The part of a full tensor a layout's box covers."""
-    for dim, (start, size) in enumerate(zip(box.offsets, box.sizes)):
-        t = t.narrow(dim, start, size)
-    return t
-
-
-def codec_rates(fraction: float = 0.1, nbytes: int = 16 * MiB, repeats: int = 9,
-                regions: int = 8) -> dict:
-    """The delta codec (`execution.codecs.codec_for` host memory: the compiled kernel where it
-    builds) on one thread of this machine, a bf16 bucket of `nbytes` with `fraction` of its
-    elements changed, read from `regions` separate tensors as a refit reads its source shards
-    in place: GB/s of bucket bytes encoded (compare, compaction, checksum, the baseline kept)
-    and decoded (applied straight into `regions` destination tensors, with the checksum);
-    medians of `repeats`, each on fresh copies."""
-    import numpy as np
-
-    from ...execution import codecs, delta as codec
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        c = codecs.codec_for(torch.device("cpu"))
-        g = torch.Generator().manual_seed(7)
-        old = (torch.randn(nbytes // 2, generator=g) * 0.02).to(torch.bfloat16)
-        new = old.clone()
-        mask = torch.rand(new.numel(), generator=g) < fraction
-        new.view(torch.int16)[mask] ^= 1
-        ob, nb = old.view(torch.uint8), new.view(torch.uint8)
-        cut = [len(x) for x in np.array_split(np.arange(nbytes // 2), regions)]
-        src = [t.clone() for t in torch.split(nb, [2 * k for k in cut])]
-        rows = np.array([[t.data_ptr(), t.numel()] for t in src], dtype=np.int64)
-        out = torch.empty(nbytes, dtype=torch.uint8)
-        enc_s, dec_s = [], []
-        for _ in range(repeats):
-            base = ob.clone()
-            t0 = time.perf_counter()
-            enc = c.encode(rows if c.name == "host" else nb, base, out, 2, probe=True)
-            enc_s.append(time.perf_counter() - t0)
-            dst = [t.clone() for t in torch.split(ob, [2 * k for k in cut])]
-            drows = np.array([[t.data_ptr(), t.numel()] for t in dst], dtype=np.int64)
-            t0 = time.perf_counter()
-            if enc.kind != codec.DENSE:
-                check = c.apply(enc.kind, enc.payload, drows if c.name == "host" else dst[0], 2)
-                if check != enc.check:
-                    raise RuntimeError("codec benchmark: the decoded bucket's checksum differs")
-            dec_s.append(time.perf_counter() - t0)
-            if enc.kind != codec.DENSE and not torch.equal(torch.cat(dst), nb):
-                raise RuntimeError("codec benchmark: the decoded bucket is not the new one")
-    finally:
-        torch.set_num_threads(threads)
-    return {"fraction": fraction, "bucket_bytes": nbytes, "encoding": codec.KINDS[enc.kind],
-            "codec": c.name, "regions": regions, "repeats": repeats,
-            "encode_GBps": nbytes / statistics.median(enc_s) / 1e9,
-            "decode_GBps": (nbytes / statistics.median(dec_s) / 1e9
-                            if enc.kind != codec.DENSE else None),
-            "encode_s": enc_s, "decode_s": dec_s}
-
-
-def codec_table(fractions=CODEC_FRACTIONS, nbytes: int = 16 * MiB, repeats: int = 9) -> list:
-    """`codec_rates` at each of `fractions`."""
-    return [codec_rates(f, nbytes, repeats) for f in fractions]
-
-
-def render_codec(rows: list) -> str:
-    lines = [f"codec on one thread of this machine ({rows[0]['codec']} codec, "
-             f"{rows[0]['bucket_bytes'] // MiB} MiB bf16 buckets read from "
-             f"{rows[0]['regions']} tensors, medians of {rows[0]['repeats']}):",
-             f"{'changed':>9} {'encoding':>9} {'encode GB/s':>12} {'decode GB/s':>12}"]
-    for r in rows:
-        dec = "-" if r["decode_GBps"] is None else f"{r['decode_GBps']:.2f}"
-        lines.append(f"{r['fraction']:>9g} {r['encoding']:>9} {r['encode_GBps']:>12.2f} "
-                     f"{dec:>12}")
-    at10 = next((r for r in rows if r["fraction"] == 0.1), None)
-    if at10 is not None:
-        for what, goal in (("encode", GOAL_ENCODE_GBPS), ("decode", GOAL_DECODE_GBPS)):
-            got = at10[f"{what}_GBps"]
-            lines.append(f"  goal: {what} >= {goal:g} GB/s per thread at 10% changed: "
-                         f"{got:.2f}  {'met' if got >= goal else 'NOT met'}")
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- the actors
@@ -336,8 +111,6 @@ def measure(mode: str, cfg: ModelConfig, steps: int, lr: float, fractions: list,
     refit's bytes on its links counted by the kernel."""
     import contextlib
 
-    import ray
-
     import ray_reshard as rr
     from ray_reshard.layout.placement import Replicate, Shard
     from ray_reshard.tools.testing import local_cluster
@@ -357,7 +130,6 @@ def measure(mode: str, cfg: ModelConfig, steps: int, lr: float, fractions: list,
     out["codec"] = codec_rates()
     log(render_codec([out["codec"]]))
     weights = source.weights()
-    names = list(weights)
     specs = {n: rr.TensorSpec(tuple(t.shape), torch.bfloat16, src_l, dst_l)
              for n, t in weights.items()}
     counted = None
@@ -367,111 +139,144 @@ def measure(mode: str, cfg: ModelConfig, steps: int, lr: float, fractions: list,
         out["links"] = {"rate": counted.links.spec.rate, "mtu": counted.links.spec.mtu}
     with (contextlib.nullcontext() if in_box else
           local_cluster(2, store_bytes=store_bytes_for(weights_bytes))):
-        Shards = _shards_class()
-        src = [Shards.options(resources={"node0": 1}).remote() for _ in range(4)]
-        dst = [Shards.options(resources={"node1": 1}).remote() for _ in range(4)]
-        boxes = {side: [{n: s.layout(side).box(r, s.shape) for n, s in specs.items()}
-                        for r in range(4)] for side in ("src", "dst")}
-        ray.get([a.make.remote({n: tuple(b.sizes) for n, b in boxes["src"][r].items()})
-                 for r, a in enumerate(src)])
-        ray.get([a.make.remote({n: tuple(b.sizes) for n, b in boxes["dst"][r].items()}, True)
-                 for r, a in enumerate(dst)])
-        bucket = bucket_mb * MiB
-        delta_group = rr.ReshardGroup(src, dst, bucket_bytes=bucket, delta_baseline=baseline)
-        dense_group = rr.ReshardGroup(src, dst, bucket_bytes=bucket, tensors=dense_tensors)
+        run = TwoGroups(specs, bucket_mb * MiB, baseline, counted)
         try:
             log(f"{out['layout']}; {cfg.layers} layers of d_model {cfg.d_model}, "
                 f"{len(specs)} tensors, {weights_bytes / MiB:.1f} MiB of bf16 weights; "
                 f"{bucket_mb} MiB buckets, delta baselines in {baseline} memory; each group "
                 f"writes its own destination tensors in the same actors")
-
-            def ship(w: dict) -> None:
-                ray.get([a.load.remote({n: region(w[n], boxes["src"][r][n]).clone()
-                                        for n in names}) for r, a in enumerate(src)])
-
-            def verify(w: dict, what: str, dense: bool = False) -> None:
-                want = {}
-                refs = [a.digest.remote(names, dense) for a in dst]
-                for r in range(4):
-                    key = tuple(tuple(boxes["dst"][r][n].offsets) for n in names)
-                    if key not in want:
-                        want[key] = digest([region(w[n], boxes["dst"][r][n]) for n in names])
-                    got = ray.get(refs[r])
-                    if got != want[key]:
-                        raise RuntimeError(f"{what}: destination {r} does not hold the "
-                                           f"trainer's bf16 weights bit for bit")
-
-            waits = []
-
-            def timed(group, **kw):
-                """(result, seconds, bytes out of every node's link or None) of one refit."""
-                waits.append(settle())          # work the last run left ends first
-                got = []
-
-                def run():
-                    t0 = time.perf_counter()
-                    got.append(group.refit(specs, **kw))
-                    return time.perf_counter() - t0
-                if counted is None:
-                    return got, run(), None
-                secs, wire = counted(run)
-                return got, secs, sum(sent for sent, _ in wire.values())
-
-            ship(weights)
-            (first,), _, _ = timed(delta_group, delta=True)
-            verify(weights, "warm-up delta refit")
-            timed(dense_group)
-            verify(weights, "warm-up dense refit", dense=True)
+            first = run.warm_up(weights)
             out["warm_up_fallbacks"] = list(first.delta["fallbacks"]) if first.delta else []
             log(f"warm-up: the delta group's first refit travelled dense "
                 f"({len(out['warm_up_fallbacks'])} sender -> receiver pairs without a "
                 f"baseline)")
-            plan_stats = first.plan_stats
-            out["lower_bound_bytes"] = plan_stats.min_network_bytes
+            out["lower_bound_bytes"] = first.plan_stats.min_network_bytes
             log(header())
             schedule = ([(None, i) for i in range(steps)] if mode == "trace" else
                         [(f, i) for f in fractions for i in range(repeats)])
             previous = {n: t.clone() for n, t in weights.items()}
-            for k, (fraction, i) in enumerate(schedule):
-                if fraction is not None:
-                    source.fraction = fraction
-                t0 = time.perf_counter()
-                loss = source.step()
-                step_s = time.perf_counter() - t0
-                weights = source.weights()
-                share = changed_share(weights, previous)
-                for n, t in weights.items():
-                    previous[n].copy_(t)
-                ship(weights)
-                # the order alternates step by step, so neither method always runs first
-                delta_first = k % 2 == 0
-                if not delta_first:
-                    (n_res,), n_s, n_wire = timed(dense_group)
-                (d_res,), d_s, d_wire = timed(delta_group, delta=True)
-                if delta_first:
-                    (n_res,), n_s, n_wire = timed(dense_group)
-                verify(weights, f"step {k + 1} delta refit")
-                verify(weights, f"step {k + 1} dense refit", dense=True)
-                row = {"step": k + 1, "fraction": fraction, "changed": share,
-                       "loss": loss, "step_s": step_s, "first": "delta" if delta_first else
-                       "dense", "delta_s": d_s, "dense_s": n_s,
-                       "delta_network_bytes": d_res.bytes_by_path["network"],
-                       "dense_network_bytes": n_res.bytes_by_path["network"],
-                       "lower_bound_bytes": n_res.plan_stats.min_network_bytes,
-                       "delta": d_res.delta, "verified": True}
-                if counted is not None:         # what the links carried, as the kernel counts
-                    row["delta_wire_bytes"], row["dense_wire_bytes"] = d_wire, n_wire
+            for k, (fraction, _) in enumerate(schedule):
+                row = run.step(source, k, fraction, previous)
                 out["steps"].append(row)
                 log(render_step(row), flush=True)
-            out["settle"] = {"runs": len(waits), "waited_s": round(sum(waits), 2),
+            out["settle"] = {"runs": len(run.waits), "waited_s": round(sum(run.waits), 2),
                              "limit_s": SETTLE_LIMIT_S,
-                             "at_limit": sum(w >= SETTLE_LIMIT_S for w in waits)}
+                             "at_limit": sum(w >= SETTLE_LIMIT_S for w in run.waits)}
         finally:
-            delta_group.close()
-            dense_group.close()
+            run.close()
     out["summary"] = summarise(out["steps"], mode)
     out["goals"] = goals(out["summary"], shaped=in_box)
     return out
+
+
+class TwoGroups:
+    """The run's actors and its two groups over them: one only ever refits delta, the other only
+    dense (into a second set of destination tensors); ships weights, times refits, checks every
+    destination bit for bit."""
+
+    def __init__(self, specs: dict, bucket: int, baseline: str, counted=None):
+        import ray
+
+        import ray_reshard as rr
+
+        self.specs, self.counted, self.names = specs, counted, list(specs)
+        self.waits: list = []
+        Shards = _shards_class()
+        self.src = [Shards.options(resources={"node0": 1}).remote() for _ in range(4)]
+        self.dst = [Shards.options(resources={"node1": 1}).remote() for _ in range(4)]
+        self.boxes = {side: [{n: s.layout(side).box(r, s.shape) for n, s in specs.items()}
+                             for r in range(4)] for side in ("src", "dst")}
+        ray.get([a.make.remote({n: tuple(b.sizes) for n, b in self.boxes["src"][r].items()})
+                 for r, a in enumerate(self.src)])
+        ray.get([a.make.remote({n: tuple(b.sizes) for n, b in self.boxes["dst"][r].items()},
+                               True) for r, a in enumerate(self.dst)])
+        self.delta_group = rr.ReshardGroup(self.src, self.dst, bucket_bytes=bucket,
+                                           delta_baseline=baseline)
+        self.dense_group = rr.ReshardGroup(self.src, self.dst, bucket_bytes=bucket,
+                                           tensors=dense_tensors)
+
+    def close(self) -> None:
+        self.delta_group.close()
+        self.dense_group.close()
+
+    def ship(self, w: dict) -> None:
+        """The new weights' shards into the source actors (not timed)."""
+        import ray
+
+        ray.get([a.load.remote({n: region(w[n], self.boxes["src"][r][n]).clone()
+                                for n in self.names}) for r, a in enumerate(self.src)])
+
+    def verify(self, w: dict, what: str, dense: bool = False) -> None:
+        """Every destination of one group holds `w`'s bytes exactly, or RuntimeError."""
+        import ray
+
+        want = {}
+        refs = [a.digest.remote(self.names, dense) for a in self.dst]
+        for r in range(4):
+            key = tuple(tuple(self.boxes["dst"][r][n].offsets) for n in self.names)
+            if key not in want:
+                want[key] = digest([region(w[n], self.boxes["dst"][r][n]) for n in self.names])
+            if ray.get(refs[r]) != want[key]:
+                raise RuntimeError(f"{what}: destination {r} does not hold the trainer's bf16 "
+                                   f"weights bit for bit")
+
+    def timed(self, group, **kw):
+        """(result, seconds, bytes out of every node's link or None) of one refit, once the
+        work the last run left has ended."""
+        self.waits.append(settle())
+        got = []
+
+        def run():
+            t0 = time.perf_counter()
+            got.append(group.refit(self.specs, **kw))
+            return time.perf_counter() - t0
+        if self.counted is None:
+            secs = run()
+            return got[0], secs, None
+        secs, wire = self.counted(run)
+        return got[0], secs, sum(sent for sent, _ in wire.values())
+
+    def warm_up(self, weights: dict):
+        """Both groups refit the initial weights (the delta group's first refit travels dense:
+        it has no baseline); returns the delta group's result."""
+        self.ship(weights)
+        first, _, _ = self.timed(self.delta_group, delta=True)
+        self.verify(weights, "warm-up delta refit")
+        self.timed(self.dense_group)
+        self.verify(weights, "warm-up dense refit", dense=True)
+        return first
+
+    def step(self, source, k: int, fraction, previous: dict) -> dict:
+        """One step: the source's new weights shipped, both groups' refits timed (the order
+        alternating step by step, so neither always runs first) and checked; its figures."""
+        if fraction is not None:
+            source.fraction = fraction
+        t0 = time.perf_counter()
+        loss = source.step()
+        step_s = time.perf_counter() - t0
+        weights = source.weights()
+        share = changed_share(weights, previous)
+        for n, t in weights.items():
+            previous[n].copy_(t)
+        self.ship(weights)
+        delta_first = k % 2 == 0
+        if not delta_first:
+            n_res, n_s, n_wire = self.timed(self.dense_group)
+        d_res, d_s, d_wire = self.timed(self.delta_group, delta=True)
+        if delta_first:
+            n_res, n_s, n_wire = self.timed(self.dense_group)
+        self.verify(weights, f"step {k + 1} delta refit")
+        self.verify(weights, f"step {k + 1} dense refit", dense=True)
+        row = {"step": k + 1, "fraction": fraction, "changed": share,
+               "loss": loss, "step_s": step_s, "first": "delta" if delta_first else "dense",
+               "delta_s": d_s, "dense_s": n_s,
+               "delta_network_bytes": d_res.bytes_by_path["network"],
+               "dense_network_bytes": n_res.bytes_by_path["network"],
+               "lower_bound_bytes": n_res.plan_stats.min_network_bytes,
+               "delta": d_res.delta, "verified": True}
+        if self.counted is not None:        # what the links carried, as the kernel counts
+            row["delta_wire_bytes"], row["dense_wire_bytes"] = d_wire, n_wire
+        return row
 
 
 def measure_in_box(**kwargs) -> dict:
