@@ -40,19 +40,56 @@ def local_tensors(actor, wg: ProcessGroup) -> dict:
     return got
 
 
-def storage_signature(storage: dict, names: tuple) -> tuple:
-    """What the local tensors `names` of `storage` look like: their memory and layout. Equal
-    signatures mean the shard views cut from them last time are still the same memory: a
-    refit's check costs one signature per local tensor (and a copy of the view table) then."""
-    sig = []
-    for n in names:
-        t = storage.get(n)
-        if isinstance(t, torch.Tensor):
-            sig.append((t.data_ptr(), t.dtype, t.device, t.shape, t.stride(),
-                        t.untyped_storage().nbytes()))
+try:        # torch's own C++ check of tensors' metadata (written for compiled graphs' guards)
+    from torch._C._dynamo.guards import TensorGuards
+except ImportError:                                   # pragma: no cover - older or other builds
+    TensorGuards = None
+
+
+class StorageSignature:
+    """What the local tensors `names` of a storage dict looked like: their memory (address and
+    storage size) and layout (dtype, device, sizes, strides). A signature that still matches
+    means the shard views cut from them last time are the same memory, so a refit's check costs
+    one match per local tensor (and a copy of the view table)."""
+
+    __slots__ = ("names", "guards", "layout", "memory")
+
+    def __init__(self, storage: dict, names: tuple):
+        tensors = [storage.get(n) for n in names]
+        self.names = names
+        self.guards = None
+        if TensorGuards is not None and all(isinstance(x, torch.Tensor) for x in tensors):
+            try:
+                self.guards = TensorGuards(*tensors, dynamic_dims_sizes=None,
+                                           dynamic_dims_strides=None)
+            except Exception:                 # pragma: no cover - another torch's signature
+                self.guards = None
+        if self.guards is not None:
+            self.layout, self.memory = None, memory_of(tensors)
         else:
-            sig.append(type(t))
-    return tuple(sig)
+            self.layout, self.memory = described(tensors), None
+
+    def matches(self, storage: dict) -> bool:
+        tensors = [storage.get(n) for n in self.names]
+        if self.guards is None:
+            return described(tensors) == self.layout
+        try:
+            # the guards check each is a tensor of the same type, dtype, device, sizes, strides
+            return self.guards.check(*tensors) and memory_of(tensors) == self.memory
+        except Exception:                     # not a tensor where one was: look again
+            return False
+
+
+def memory_of(tensors: list) -> tuple:
+    """The tensors' addresses and their storages' sizes."""
+    return (tuple(map(torch.Tensor.data_ptr, tensors)),
+            tuple(map(torch.UntypedStorage.nbytes, map(torch.Tensor.untyped_storage, tensors))))
+
+
+def described(tensors: list) -> list:
+    """Everything a signature compares, in Python (where torch's guards are not available)."""
+    return [(x.data_ptr(), x.untyped_storage().nbytes(), x.dtype, x.device, x.shape, x.stride())
+            if isinstance(x, torch.Tensor) else type(x) for x in tensors]
 
 
 def shard_views(actor, wg: ProcessGroup, prog: InstalledProgram, sources: bool = True
@@ -67,9 +104,8 @@ def shard_views(actor, wg: ProcessGroup, prog: InstalledProgram, sources: bool =
     if not shards:                    # sources captured, no destination here: nothing live
         return {}, [], [], None
     storage = local_tensors(actor, wg)
-    sig = storage_signature(storage, prog.storages if sources else prog.dst_storages)
     checked = prog.checked if sources else prog.checked_dst
-    if checked is not None and checked[0] == sig:
+    if checked is not None and checked[0].matches(storage):
         return dict(checked[1]), [], checked[2], checked[3]
     views, errors = {}, []
     plan = prog.plan
@@ -132,6 +168,7 @@ def shard_views(actor, wg: ProcessGroup, prog: InstalledProgram, sources: bool =
         return views, errors, [], None
     aliased = aliased_sources(views)
     token = object()
+    sig = StorageSignature(storage, prog.storages if sources else prog.dst_storages)
     if sources:
         prog.checked = (sig, dict(views), aliased, token)
     else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -13,7 +13,7 @@ from .._gc import gc_paused
 from ..errors import RefitError
 from ..layout.slots import Slot
 from ..layout.spec import TensorSpec
-from ..planning.plan import Plan, plan as make_plan
+from ..planning.plan import Plan, check_spec_set, plan as make_plan
 from ..planning.schedule import PlanTimeout
 from . import membership, worker
 
@@ -39,17 +39,24 @@ class ProgramCache:
         with self._lock:
             return self._cached_plan(specs)[1]
 
-    def _cached_plan(self, specs: Mapping[str, TensorSpec], deadline: Optional[float] = None
-                     ) -> tuple[int, Plan, bool]:
+    def _cached_plan(self, specs: Mapping[str, TensorSpec],
+                     deadline_of: Optional[Callable[[], float]] = None) -> tuple[int, Plan, bool]:
         """(program id, plan, whether it was planned now). Spec sets are compared whole, so
         two different sets never share a program; the least recently used beyond
-        `max_programs` are evicted, in the actors too. A new spec set is first sized against
-        what the sources hold; with a `deadline`, planning is bounded by it (RefitError)."""
-        items = SpecSet(specs)
+        `max_programs` are evicted, in the actors too. A new spec set is checked entry by entry
+        and sized against what the sources hold; with `deadline_of` (the refit's deadline,
+        asked for only then), planning is bounded by it (RefitError)."""
+        try:
+            items = SpecSet(specs)
+        except Exception:
+            check_spec_set(specs)               # names the entry that is not a spec
+            raise
         hit = self._plans.get(items)
         if hit is not None:
             self._plans.move_to_end(items)
             return hit[0], hit[1], False
+        check_spec_set(specs)
+        deadline = deadline_of() if deadline_of is not None else None
         if deadline is not None:
             self._check_sources_hold(specs, deadline)
         try:

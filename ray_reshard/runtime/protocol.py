@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Optional
+from typing import Mapping, Optional
 
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
@@ -67,7 +67,8 @@ class RefitProtocol:
         """Plan, install, validate, (capture,) and start every process's run."""
         self._check_usable()
         recovered = self._recover(timeout_s or self.timeout_s) if self._broken else None
-        check_spec_set(specs)
+        if not isinstance(specs, Mapping) or not specs:
+            check_spec_set(specs)                 # each entry: when the set is new (planning)
         check_timeout(timeout_s)
         delta = delta_request(delta, specs, self.delta_baseline)
         if delta is not None and not self._strategy.delta:
@@ -78,7 +79,7 @@ class RefitProtocol:
         # time, named. Without a timeout it follows the payload: the plan's, once known.
         t_start = time.monotonic()
         timeout = timeout_s or self.timeout_s
-        key, p, planned = self._cached_plan(specs, t_start + (
+        key, p, planned = self._cached_plan(specs, lambda: t_start + (
             timeout or default_timeout_s(sum(s.source_nbytes for s in specs.values()))))
         timeout = timeout or default_timeout_s(p.stats.total_bytes)
         deadline = t_start + timeout

@@ -56,7 +56,7 @@ from ...execution.program import Program, Step, compile_program, per_item_min_by
 from ...models import VLLM, Megatron, Recipe
 from ...runtime.channel import LoopbackChannel
 from ...runtime.executor import Transports, default_window, run_program
-from ...runtime.local_check import storage_signature
+from ...runtime.local_check import StorageSignature
 from ..cli_args import DEEPSEEK_V3, Parser, QWEN3_235B, output_file
 from .model_bytes import DSV3_PP16, QWEN3_PP8
 
@@ -177,18 +177,18 @@ def per_item_path(prog: Program, views: dict) -> float:
 
 
 def steady_check(p: Plan, prog: Program, views: dict, repeat: int = 20) -> tuple:
-    """What a steady-state refit's check costs this process (see `worker.storage_signature`):
+    """What a steady-state refit's check costs this process (see `local_check.StorageSignature`):
     (local tensors, shards, seconds per local tensor, seconds per shard). The local tensors are
-    the recipe's storage names for the program's shards (small stand-ins: a signature does not
-    depend on a tensor's size); the view table is the program's."""
+    the recipe's storage names for the program's shards (small 2-D parameters as stand-ins: a
+    signature does not depend on a tensor's size); the view table is the program's."""
     names = tuple(dict.fromkeys(p.specs[ti].slot(side, rank, p.names[ti]).storage
                                 for side, rank, ti in prog.held))
-    storage = {n: torch.zeros(4) for n in names}
+    storage = {n: torch.nn.Parameter(torch.zeros(4, 4)) for n in names}
     with gc_paused():                      # as the worker runs it
-        last = storage_signature(storage, names)
+        last = StorageSignature(storage, names)
         t0 = time.perf_counter()
         for _ in range(repeat):
-            assert storage_signature(storage, names) == last
+            assert last.matches(storage)
         per_storage = (time.perf_counter() - t0) / repeat / len(names)
         t0 = time.perf_counter()
         for _ in range(repeat):
