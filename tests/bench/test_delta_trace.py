@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ray_reshard.tools.bench.delta_codec import codec_table, render_codec
-from ray_reshard.tools.bench.delta_trace import GOAL_BYTES_AT_10, goals
+from ray_reshard.tools.bench.delta_trace import GOAL_BYTES_AT_10, combine_runs, goals
 from ray_reshard.tools.bench.trace_model import (ModelConfig, Synthetic, TinyGPT, Trainer,
                                                  changed_share, config_for, digest)
 from ray_reshard.tools.bench.harness import MiB
@@ -80,6 +80,23 @@ def test_goals_from_medians():
     trace = goals([row("trace", 5.0, 0.8)])
     assert trace[-1]["met"] and trace[-1]["measured"] == pytest.approx(0.8)
     assert GOAL_BYTES_AT_10 == 0.25
+
+
+def test_runs_judge_each_goal_on_the_median_over_the_runs():
+    spread = lambda v: {"median": v, "low": v, "high": v, "values": [v]}
+    row = lambda f, ds: {"fraction": f, "delta_network_bytes": spread(10.0),
+                         "dense_network_bytes": spread(100.0), "delta_s": spread(ds),
+                         "dense_s": spread(1.0)}
+    runs = [{"mode": "synthetic", "machine": {}, "goals": goals([row(0.0, s), row(0.1, 0.9),
+                                                                 row(1.0, 1.0)])}
+            for s in (0.5, 0.7, 0.55)]
+    out = combine_runs(runs)
+    at_0 = out["goals"][0]
+    assert out["runs"] == 3 and at_0["runs"] == 3 and at_0["runs_met"] == 2
+    assert at_0["measured"] == pytest.approx(0.55) and at_0["met"]     # 0.55 <= 0.6
+    assert (at_0["low"], at_0["high"]) == (pytest.approx(0.5), pytest.approx(0.7))
+    assert out["goals"][-1]["measured"] is None and "runs" not in out["goals"][-1]
+    assert combine_runs(runs[:1])["runs"] == 1
 
 
 def test_codec_line_meets_its_goals_shape():

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import asdict
 
@@ -362,18 +363,46 @@ def goals(summary: list, shaped: bool = False) -> list:
     for fraction, what, limit, text in table:
         s = by.get(fraction)
         measured = ratio(s, what) if s else None
-        rows.append({"goal": text % limit, "measured": measured,
+        rows.append({"goal": text % limit, "measured": measured, "limit": limit,
                      "met": measured is not None and measured <= limit,
                      "needs": "the trace (no --synthetic)" if fraction == "trace" else
                      f"--synthetic with {fraction:g}"})
     return rows
 
 
+def combine_runs(outs: list) -> dict:
+    """Several runs' figures (each `measure` on a fresh cluster) as one: every run kept, and
+    each goal judged on the median over the runs of its ratio, with the lowest and highest run
+    and in how many runs it was met."""
+    if len(outs) == 1:
+        return dict(outs[0], runs=1)
+    out = {"runs": len(outs), "by_run": outs, "mode": outs[0]["mode"],
+           "machines": [o["machine"] for o in outs], "goals": []}
+    for i, g in enumerate(outs[0]["goals"]):
+        values = [o["goals"][i]["measured"] for o in outs]
+        if any(v is None for v in values):
+            out["goals"].append(dict(g))
+            continue
+        s = Spread(values)
+        out["goals"].append(dict(g, measured=s.median, met=s.median <= g["limit"], low=s.low,
+                                 high=s.high, runs=len(values), values=values,
+                                 runs_met=sum(v <= g["limit"] for v in values)))
+    return out
+
+
 def render_goals(rows: list) -> str:
-    lines = ["goals (ratios of medians):"]
+    runs = max((g.get("runs", 1) for g in rows), default=1)
+    lines = ["goals (ratios of medians" + (f"; median over {runs} runs [lowest-highest run])"
+                                           if runs > 1 else "):")]
     for g in rows:
-        m = f"not measured (needs {g['needs']})" if g["measured"] is None else \
-            f"{g['measured']:6.3f}  {'met' if g['met'] else 'NOT met'}"
+        if g["measured"] is None:
+            m = f"not measured (needs {g['needs']})"
+        else:
+            m = f"{g['measured']:6.3f}" + (f" [{g['low']:.3f}-{g['high']:.3f}]"
+                                           if g.get("runs", 1) > 1 else "")
+            m += f"  {'met' if g['met'] else 'NOT met'}"
+            if g.get("runs", 1) > 1:
+                m += f" ({g['runs_met']} of {g['runs']} runs)"
         lines.append(f"  {g['goal']:<50} {m}")
     return "\n".join(lines)
 
@@ -409,6 +438,9 @@ def add_args(ap) -> None:
     ap.add_argument("--bucket-mb", type=positive_int, default=16, help="bucket size (default 16)")
     ap.add_argument("--baseline", choices=("device", "host"), default="device",
                     help="where senders keep their delta baseline (default device)")
+    ap.add_argument("--runs", type=positive_int, default=1,
+                    help="whole measurements, each on a fresh cluster; each goal is then judged "
+                         "on the median over the runs, with the lowest and highest run")
     ap.add_argument("--small", action="store_true",
                     help="a few MiB and 2 steps (repeats): seconds, for tests")
     ap.add_argument("--shaped", metavar="RATE",
@@ -438,26 +470,40 @@ def run(args) -> int:
         mb, steps, repeats, bucket_mb = SMALL_MB, 2, 2, 1
     cfg = config_for(mb)
     mode = "synthetic" if args.synthetic else "trace"
-    if args.shaped:
-        from .shaped import run_in_box
-        out = run_in_box("ray_reshard.tools.bench.delta_trace:measure_in_box",
-                         dict(mode=mode, cfg=asdict(cfg), steps=steps, lr=args.lr,
-                              fractions=args.synthetic or [], repeats=repeats,
-                              bucket_mb=bucket_mb, baseline=args.baseline),
-                         nodes=2, rate=args.shaped,
-                         store_bytes=store_bytes_for(cfg.params * 2), log=print)
-    else:
-        out = measure(mode, cfg, steps, args.lr, args.synthetic or [], repeats, bucket_mb,
-                      args.baseline, log=print)
-    print()
-    print(("median [range] per fraction:" if mode == "synthetic" else
-           f"median [range] over the {steps} steps of the trace (lr {args.lr:g}):"))
-    print(render_summary(out["summary"]))
+    if args.shaped and args.runs != 1:
+        print("ray-reshard bench-delta: error: --runs: a shaped run measures one box (give "
+              "--runs 1)", file=sys.stderr)
+        return 2
+    outs = []
+    for k in range(args.runs):
+        if args.runs > 1:
+            print(f"\n== run {k + 1} of {args.runs}, on a fresh cluster", flush=True)
+        if args.shaped:
+            from .shaped import run_in_box
+            one = run_in_box("ray_reshard.tools.bench.delta_trace:measure_in_box",
+                             dict(mode=mode, cfg=asdict(cfg), steps=steps, lr=args.lr,
+                                  fractions=args.synthetic or [], repeats=repeats,
+                                  bucket_mb=bucket_mb, baseline=args.baseline),
+                             nodes=2, rate=args.shaped,
+                             store_bytes=store_bytes_for(cfg.params * 2), log=print)
+        else:
+            one = measure(mode, cfg, steps, args.lr, args.synthetic or [], repeats, bucket_mb,
+                          args.baseline, log=print)
+        print()
+        print(("median [range] per fraction:" if mode == "synthetic" else
+               f"median [range] over the {steps} steps of the trace (lr {args.lr:g}):"))
+        print(render_summary(one["summary"]))
+        st = one["settle"]
+        print(f"quiet-machine wait before each timed refit: {st['waited_s']:.1f} s in all over "
+              f"{st['runs']} refits ({st['at_limit']} gave up after {st['limit_s']:g} s); load "
+              f"average at the start {one['machine']['load_avg_1m']}")
+        if args.runs > 1:
+            print(render_goals(one["goals"]))
+        outs.append(one)
+    out = combine_runs(outs)
+    if args.runs > 1:
+        print(f"\nover the {args.runs} runs:")
     print(render_goals(out["goals"]))
-    st = out["settle"]
-    print(f"quiet-machine wait before each timed refit: {st['waited_s']:.1f} s in all over "
-          f"{st['runs']} refits ({st['at_limit']} gave up after {st['limit_s']:g} s); load "
-          f"average at the start {out['machine']['load_avg_1m']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)

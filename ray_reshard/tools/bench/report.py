@@ -70,11 +70,13 @@ SECTIONS = {
                   "--gpus-per-domain", "2"], "stdout"),
     "delta": ("Delta refits vs dense refits at synthetic changed fractions",
               ["ray_reshard", "bench-delta", "--synthetic", "0,0.001,0.1,0.5,1.0", "--mb", "256",
-               "--repeats", "5"],
-              ["ray_reshard", "bench-delta", "--small", "--synthetic", "0,0.1,1.0"], False),
+               "--repeats", "5", "--runs", "3"],
+              ["ray_reshard", "bench-delta", "--small", "--synthetic", "0,0.1,1.0", "--runs",
+               "2"], True),
     "delta-trace": ("Delta refits vs dense refits along an RL-like training trace",
-                    ["ray_reshard", "bench-delta", "--mb", "256", "--steps", "5", "--lr", "1e-6"],
-                    ["ray_reshard", "bench-delta", "--small"], False),
+                    ["ray_reshard", "bench-delta", "--mb", "256", "--steps", "5", "--lr", "1e-6",
+                     "--runs", "3"],
+                    ["ray_reshard", "bench-delta", "--small", "--runs", "2"], True),
     "delta-simulate": ("A delta refit predicted on a real cluster",
                        ["ray_reshard", "simulate", "--model", "llama70b", "--train",
                         "megatron:tp=8,pp=4", "--infer", "vllm:tp=8,dp=4", "--cluster",
@@ -407,8 +409,9 @@ def render(results: dict, small: bool, facts: dict, commit: str) -> str:
 # ------------------------------------------------------------------------------ checking
 def stated_figures(name: str, r: dict) -> list:
     """The figures section `name`'s output `r` states with a spread, each as {"figure",
-    "median", "low", "high", "met", "predicted"}: the goals of peers and first-refit (medians
-    over runs or repeats, with the lowest and highest) and the calibration's predicted /
+    "median", "low", "high", "met", "predicted"}: the goals of peers, first-refit and the delta
+    sections (medians over runs or repeats, with the lowest and highest) and the calibration's
+    predicted /
     measured ratios; "predicted" is where a further run's figure would fall with 95% chance
     (`harness.predicted_range` of the runs' figures; None without several). Figures of a
     single measurement are left out: nothing states how far they move."""
@@ -417,7 +420,7 @@ def stated_figures(name: str, r: dict) -> list:
     o = r.get("json")
     if not isinstance(o, dict):
         return []
-    if name in ("peers", "first-refit"):
+    if name in ("peers", "first-refit", "delta", "delta-trace"):
         found = [(g["goal"], g["measured"], g["low"], g["high"], g["met"], g.get("values"))
                  for g in (goals(o) if name == "peers" else o.get("goals", []))
                  if g.get("runs", 1) > 1]
@@ -431,7 +434,8 @@ def stated_figures(name: str, r: dict) -> list:
             for f, m, lo, hi, met, v in found]
 
 
-CHECKED = tuple(n for n in SECTIONS if n in ("peers", "first-refit", "calibrate"))
+CHECKED = tuple(n for n in SECTIONS
+                if n in ("peers", "first-refit", "calibrate", "delta", "delta-trace"))
 
 
 def compare(name: str, page: dict, fresh: dict) -> list:
