@@ -294,18 +294,6 @@ def test_bench_overlap_small(address):
 
 
 @pytest.mark.slow
-def test_bench_object_store_small(address):
-    out = run("-m", "ray_reshard", "bench-object-store", "--mb", "4", "--counts", "32",
-              "--repeats", "1", RAY_RESHARD_CLUSTER_ADDRESS=address).stdout
-    assert out.count("nothing spilled") == 1
-    for peer in ("reshard", "object store", "gather-broadcast",
-                 "raw point-to-point, one message per pair"):
-        rows = re.findall(r"\n\s*" + peer + r"\s+" + NUM + r" \[" + NUM + "-" + NUM + r"\]", out)
-        assert len(rows) == 1 and all(float(x) > 0 for row in rows for x in row)
-    assert len(re.findall(r"reshard >= 2x the object store, \d+ tensors\s+" + NUM, out)) == 1
-
-
-@pytest.mark.slow
 def test_bench_partial_small(address):
     out = run("-m", "ray_reshard", "bench-partial", "--tensors", "100", "--mb", "4",
               "--fraction", "0.05", "--repeats", "1", RAY_RESHARD_CLUSTER_ADDRESS=address).stdout

@@ -152,6 +152,8 @@ def test_report_small_writes_the_page(tmp_path):
                      r"\| (met|\*\*not met\*\*) \(\d of 2 runs\)", page)
     assert re.search(r"\| Qwen3-235B-A22B \| 128->128 \| \d+ \|.*\*\*[0-9.]+\*\* "
                      r"\[[0-9.]+-[0-9.]+\] \|$", page, re.M)
+    assert re.search(r"delta refit time <= 1 x dense, 10% changed +[0-9.]+ \[[0-9.]+-[0-9.]+\] +"
+                     r"(met|NOT met) \(\d of 2 runs\)", page)        # bench-delta --runs 2
     assert "bound from the layouts alone" in page and "| assumed |" in page
     assert "3.2-3.3 s" in page and "All predictions." in page
     assert re.search(r"\d of \d reshard predictions within 25% \(median over the runs\)", page)
