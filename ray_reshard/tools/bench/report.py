@@ -411,10 +411,9 @@ def stated_figures(name: str, r: dict) -> list:
     """The figures section `name`'s output `r` states with a spread, each as {"figure",
     "median", "low", "high", "met", "predicted"}: the goals of peers, first-refit and the delta
     sections (medians over runs or repeats, with the lowest and highest) and the calibration's
-    predicted /
-    measured ratios; "predicted" is where a further run's figure would fall with 95% chance
-    (`harness.predicted_range` of the runs' figures; None without several). Figures of a
-    single measurement are left out: nothing states how far they move."""
+    predicted / measured ratios; "predicted" is where a further run's figure would fall with 95%
+    chance (`harness.predicted_range` of the runs' figures; None without several). Figures of
+    a single measurement are left out: nothing states how far they move."""
     from .peers import goals
 
     o = r.get("json")
@@ -434,8 +433,7 @@ def stated_figures(name: str, r: dict) -> list:
             for f, m, lo, hi, met, v in found]
 
 
-CHECKED = tuple(n for n in SECTIONS
-                if n in ("peers", "first-refit", "calibrate", "delta", "delta-trace"))
+CHECKED = ("peers", "first-refit", "calibrate", "delta", "delta-trace")     # in page order
 
 
 def compare(name: str, page: dict, fresh: dict) -> list:
