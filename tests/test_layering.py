@@ -129,3 +129,44 @@ def test_no_function_too_long(limit):
                 if n > limit:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {n} lines")
     assert not long, f"functions over {limit} lines:\n" + "\n".join(sorted(long))
+
+
+# What each part may import (docs/architecture.md's parts table): no import runs back up.
+MAY_IMPORT = {
+    "layout": set(),
+    "planning": {"layout", "_gc"},
+    "execution": {"planning", "layout", "_gc"},
+    "sim": {"execution", "planning", "layout", "_gc"},
+    "runtime.transport": {"errors"},
+    "runtime": {"runtime.transport", "execution", "planning", "layout", "errors", "_gc"},
+    # recipes take the engine layouts from engines/ on first use (inside functions)
+    "models": {"engines", "layout", "_gc"},
+    "engines": {"models", "layout", "errors"},
+    "engines.vllm.backend": {"engines", "models", "runtime", "layout", "errors"},
+    "integrations": {"engines", "engines.vllm.backend", "models", "runtime", "layout", "errors"},
+    "ray_reshard": {"layout", "planning", "runtime", "models", "session", "errors"},
+    "session": set(), "errors": set(), "_gc": set(), "__main__": {"tools"},
+}
+
+
+def part_of(name: str) -> str:
+    parts = name.split(".")[1:]
+    if not parts:
+        return "ray_reshard"
+    if parts[:2] == ["runtime", "transport"]:
+        return "runtime.transport"
+    if parts[:3] == ["engines", "vllm", "backend"]:
+        return "engines.vllm.backend"
+    return parts[0]
+
+
+def test_no_import_runs_back_up():
+    wrong = []
+    for name, targets in GRAPH.items():
+        part = part_of(name)
+        if part == "tools":
+            continue
+        assert part in MAY_IMPORT, f"{name}: a part the layering does not know ({part})"
+        wrong += [f"{name} ({part}) imports {t} ({part_of(t)})" for t in sorted(targets)
+                  if part_of(t) != part and part_of(t) not in MAY_IMPORT[part]]
+    assert not wrong, "imports against the layering:\n" + "\n".join(wrong)
