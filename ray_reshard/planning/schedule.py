@@ -19,14 +19,22 @@ from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import TYPE_CHECKING, Iterable, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Protocol, Sequence
 
 from .._gc import gc_paused
 from ..layout.box import Box
 from .moves import DOMAIN, LOCAL, NETWORK, Endpoint
 
-if TYPE_CHECKING:
-    from .plan import Plan
+
+class PlanParts(Protocol):
+    """What the schedule reads of a plan (`plan.Plan`, which builds its schedule here)."""
+
+    specs: Sequence          # TensorSpec per tensor index
+    tensor_plans: Sequence   # TensorPlan per tensor index
+    topology: Any            # planner.Topology
+
+    def network_turns(self, bucket_bytes: int) -> Optional[dict]: ...
+
 
 _new = object.__new__
 
@@ -74,7 +82,7 @@ class Schedule:
 _PATH_ORDER = {NETWORK: 0, DOMAIN: 1, LOCAL: 2}
 
 
-def build_schedule(plan: Plan, bucket_bytes: int) -> Schedule:
+def build_schedule(plan: PlanParts, bucket_bytes: int) -> Schedule:
     """Pack moves into buckets per (sender, receiver, path) and order them.
 
     A network pair's k-th bucket goes in the pair's k-th turn (`Plan.network_turns`): its key
@@ -208,19 +216,19 @@ TURNS_MAX_ENTRIES = 2_000_000
 TURNS_MIN_GAIN = 0.05
 
 
-def network_entries(plan: "Plan") -> int:
+def network_entries(plan: PlanParts) -> int:
     """How many (tensor, network pair) entries `network_bucket_counts` walks."""
     return sum(tp.n_network_pairs() for tp in plan.tensor_plans)
 
 
-def network_bucket_counts(plan: "Plan", bucket_bytes: int) -> dict[tuple[int, int], int]:
+def network_bucket_counts(plan: PlanParts, bucket_bytes: int) -> dict[tuple[int, int], int]:
     """{(source rank, destination rank): how many buckets of at most `bucket_bytes` the
     schedule cuts that network pair into}, from the whole plan's moves (per distinct tensor
     plan, renamed per tensor)."""
     return {pair: n for pair, (n, _) in network_buckets(plan, bucket_bytes).items()}
 
 
-def network_buckets(plan: "Plan", bucket_bytes: int, deadline: Optional[float] = None
+def network_buckets(plan: PlanParts, bucket_bytes: int, deadline: Optional[float] = None
                      ) -> dict[tuple[int, int], tuple[int, int]]:
     """{network pair: (its buckets, its bytes)} (see `network_bucket_counts`)."""
     sizes: dict[tuple[int, int], list] = {}
@@ -464,7 +472,7 @@ def make_transfer(isz, key, src, dst, path, items: list, nbytes: int) -> Transfe
     return Transfer(key, src, dst, path, tuple(items), nbytes)
 
 
-def network_turns(plan: "Plan", bucket_bytes: int, deadline: Optional[float] = None
+def network_turns(plan: PlanParts, bucket_bytes: int, deadline: Optional[float] = None
                   ) -> Optional[dict]:
     """{(source rank, destination rank): the turns of that network pair's buckets} for buckets
     of `bucket_bytes` (see `assign_turns`).

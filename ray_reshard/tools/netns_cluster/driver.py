@@ -12,12 +12,20 @@ import subprocess
 import sys
 import time
 import traceback
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .spec import SPEC_ENV, Spec, log_tail
 
-if TYPE_CHECKING:
-    from .box import NetnsCluster
+
+class Box(Protocol):
+    """What the driver reads of its box (`box.NetnsCluster`, which starts the driver)."""
+
+    spec: Spec
+    nodes: int
+    start_timeout_s: float
+
+    def node_env(self, index: int) -> dict: ...
+
 
 # ------------------------------------------------------------------ the driver
 class DriverError(RuntimeError):
@@ -32,7 +40,7 @@ class Driver:
     `PendingCall` so this process can change the links while it runs. One call at a time.
     """
 
-    def __init__(self, box: "NetnsCluster", echo: bool = False, index: int = 0):
+    def __init__(self, box: Box, echo: bool = False, index: int = 0):
         spec = box.spec
         req_r, self._req_w = os.pipe()
         self._resp_r, resp_w = os.pipe()
