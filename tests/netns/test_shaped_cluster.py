@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from ray_reshard import netns_cluster
+from ray_reshard.tools import netns_cluster
 from ray_reshard.tools.netns_cluster import NetnsCluster, leftovers, unavailable
 
 CALLS = os.path.join(os.path.dirname(__file__), "box_calls.py")
