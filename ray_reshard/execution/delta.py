@@ -1,32 +1,10 @@
 """Delta encoding of a bucket: the bytes that changed since a baseline, exactly.
 
-A bucket's bytes (its wire format, see `program`) are compared with the bytes sent last time
-(the baseline) in granules of `granule(...)` bytes (the smallest element size of its items), and
-travel as whichever is smallest:
-
-- SAME: nothing changed, nothing travels;
-- MASK: a bit per granule (1 = changed, little-endian bit order within a byte), then the changed
-  granules' bytes in order;
-- INDEX: the changed granules' indices (int32), then their bytes in order;
-
-(the values start at the next multiple of the granule after the mask or the indices, the gap
-zero)
-- DENSE: the bucket's bytes.
-
-Encoding leaves the baseline holding the new bytes. A receiver applies a MASK or INDEX payload
-onto its own copy of the baseline (its destination regions) and checks the result against the
-sender's `checksum` of the new bytes (a SAME bucket too), so a destination changed outside
-refits is caught, not silently mixed. The checksum is the sum of the bucket's granules as
-unsigned integers, modulo 2**64 (as a signed int64).
-
-Three codecs keep this contract (`codecs` picks one by device): `HostCodec` (one pass per end, see `delta_host`), on rows of
-host memory (a part's contiguous regions, no packing) or a packed bucket; `delta_cuda.CudaCodec`,
-one kernel launch per bucket and pass on CUDA; and `TorchCodec`, a few torch ops over a packed
-bucket on any device (where neither kernel can run, and the reference both are tested
-against). A host bucket whose first eighth (or first `MOSTLY_AFTER_CHUNKS` chunks of `CHUNK`
-granules, if fewer) changed in more than `MOSTLY_CHANGED` of its granules travels DENSE without
-comparing the rest (`probe`). `encoded_bytes` is the size model the plan report and the
-simulator use.
+A bucket's bytes are compared with the baseline in granules and travel as SAME, MASK, INDEX or
+DENSE, whichever is smallest, with a checksum of the new bytes the receiver checks after
+applying. `HostCodec`, `delta_cuda.CudaCodec` and `TorchCodec` keep this contract (`codecs`
+picks one by device); `encoded_bytes` is the size model of the plan report and the simulator.
+Wire format and checksum: docs/delta.md (How it works).
 """
 from __future__ import annotations
 

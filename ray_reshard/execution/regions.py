@@ -1,35 +1,10 @@
 """Copy tables: all the regions of a packed bucket, or of a local copy, copied in one launch.
 
-A packed bucket is its items back to back (see `program`'s wire format); packing copies each
-item's region (a strided view of a local shard) into the bucket, unpacking copies back, and a
-local copy (both ends in one process) copies each item's source region into its destination
-region. On a GPU a `copy_` per region is a kernel launch per region, thousands per bucket at
-real-model scale, and the host's time launching them exceeds the transfer. A copy table
-describes every region of a part at once, so one launch (`cuda_copy`) copies them all
-whatever their count.
-
-Entries. Each entry copies between two sides of the same shape: side A (a region) and side B
-(the item's bytes in the bucket, at its wire offset, row-major; or, in a local copy, the source
-region). Their dims are coalesced together (a dim merges with the one inside it where its
-stride spans that dim on both sides); the innermost dims dense on both sides make a row of
-contiguous bytes, and at most three outer dims repeat it. An entry needing more, an empty one,
-and (the caller's rule) one whose two sides differ in dtype (a conversion, not a copy) stay out
-of the table; the caller copies those.
-
-Units. Rows are copied in units of `vec` bytes: the largest of 16, 8, 4, 2, 1 dividing both
-sides' addresses (a wire offset counts as one: a bucket's base is 16-aligned, which `copy`
-checks), the row length and every outer stride.
-
-Table, int64:
-* `regions`, one row per entry: side A's address, side B's address or wire offset, units per
-  row, outer sizes (3, the outermost first, padded with 1), side A's outer byte strides (3),
-  side B's (3), vec;
-* `chunks`, one row per launch block: entry, first row, number of rows, first unit in the row,
-  units per row taken (a wide row is cut into several chunks, narrow rows share one), so every
-  chunk moves about `CHUNK_BYTES`.
-
-`HostCopy` runs a table with `ctypes.memmove` per row piece: the reference the tests check the
-kernel's indexing against, on CPU tensors.
+A table describes every region of a part (an item's strided view of a local shard beside its
+bytes in the bucket, or a local copy's source and destination regions) as rows of contiguous
+bytes, so one launch (`cuda_copy`) copies them all whatever their count. `HostCopy` runs a
+table with `ctypes.memmove` per row piece: the reference the kernel's indexing is tested
+against. Entries, units and the table's columns: docs/architecture.md (Copy tables).
 """
 from __future__ import annotations
 
@@ -95,7 +70,7 @@ def rows_of(t: torch.Tensor) -> Optional[tuple[int, list[int], list[int]]]:
 
 @dataclass
 class Table:
-    """A part's copy table (see the module docstring) and what it covers."""
+    """A part's copy table (columns: docs/architecture.md, Copy tables) and what it covers."""
 
     regions: np.ndarray        # int64 (n_entries, REGION_COLS)
     chunks: np.ndarray         # int64 (n_chunks, CHUNK_COLS)

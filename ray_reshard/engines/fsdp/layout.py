@@ -1,27 +1,9 @@
 """FSDP2 (training side): trainers that shard a Hugging Face model with
 ``torch.distributed.fsdp.fully_shard``, keeping the HF parameter names.
 
-Storages are the HF model's parameters themselves, under the names of its
-``named_parameters()`` (a tied lm_head is the embedding's one parameter), each the local shard
-FSDP2 keeps: ``torch.chunk`` of dim 0 over the ``shard`` ranks, so the last shards may be
-short or empty (``DTensor.to_local()`` has shape ``(0, ...)`` then). With HSDP
-(``replicate > 1``) the device mesh is ``(replicate, shard)`` and
-``rank = replicate_index * shard + shard_index``, as ``init_device_mesh(..., (replicate,
-shard))`` numbers it; every replicate group holds the same shards. Buffers are not sharded by
-FSDP2: DeepSeek-V3's routing bias ``gate.e_score_correction_bias`` (a buffer in transformers) is
-whole on every rank, kept in float32 like the other engines keep it.
-
-A recipe piece that is part of a parameter (see `pieces`) is placed where FSDP2 put its
-elements: fused experts' ``gate_up_proj@gate`` / ``@up`` (a slice of dim 1) keep the
-parameter's dim-0 sharding; a per-expert piece (``@e5.gate``, ``down_proj@e5``) is whole on the
-ranks whose chunk holds expert 5; a q/k/v group (``@g3``, rows of dim 0) lies in one chunk,
-starts on a chunk boundary, or spans two chunks with its part in the first at least as long;
-otherwise no layout describes it and the recipe refuses it (`FSDPSide.place` raises, naming
-the piece, the parameter and the shard count). Group pieces are only cut for a Megatron side with
-several query groups per tensor-parallel rank; FSDP to vLLM never needs them.
-
-`fsdp_local_tensors(module)` gives a trainer's storages: ``{hf_name: local shard}`` to pass as
-the trainer's tensors.
+Storages are the HF parameters' local shards (``torch.chunk`` of dim 0, HSDP replicas);
+`fsdp_local_tensors(module)` gives a trainer's ``{hf_name: local shard}``. Where pieces of a
+parameter lie, and which are refused: docs/engines.md (FSDP2: shards and pieces).
 """
 from __future__ import annotations
 
@@ -43,7 +25,7 @@ WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_
 
 @dataclass(frozen=True)
 class FSDP:
-    """FSDP2 training layout on Hugging Face parameter names; see the module docstring.
+    """FSDP2 training layout on Hugging Face parameter names; see docs/engines.md (FSDP2).
 
     `shard`: ranks each parameter is cut over (dim 0, torch.chunk, FSDP2's default
     placement). `replicate`: HSDP replica groups (1: plain FSDP); ranks are

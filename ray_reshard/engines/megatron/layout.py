@@ -1,33 +1,10 @@
 """Megatron-core (training side): the parallel configuration, its rank numbering and where a
 rank keeps each piece.
 
-Ranks follow Megatron's default order ``tp-cp-ep-dp-pp`` (tp fastest, pp slowest). A pipeline
-stage owns a contiguous block of ``S = tp * cp * dp`` ranks: stage ``s`` is ranks
-``s*S .. (s+1)*S - 1``. Inside a stage:
-
-* dense parameters (attention, dense MLP, norms, embeddings, router, shared experts):
-  ``rank = s*S + (dp_rank * cp + cp_rank) * tp + tp_rank``; replicated over dp and cp;
-* expert parameters: ``rank = s*S + (edp_rank * ep + ep_rank) * etp + etp_rank`` with
-  ``edp = S / (etp * ep)`` (Megatron's expert rank generator, same order with cp folded in);
-  experts are split over ep in contiguous ranges (expert ``e`` on ep rank ``e // (E/ep)``,
-  local index ``e % (E/ep)``), their FFN dim over etp, replicated over edp.
-
-Pipeline split, as Megatron builds it (``get_transformer_layer_offset``): layers are divided
-evenly over the stages (``num_layers % pp == 0``) unless ``first_stage_layers`` /
-``last_stage_layers`` (``num_layers_in_first/last_pipeline_stage``) are given, in which case
-the other stages split the rest evenly; any other split is refused, or given explicitly as
-``layers_per_stage`` (``pipeline_model_parallel_layout``). With a virtual pipeline (``vpp``
-model chunks per rank) every stage's layers are cut into ``vpp`` equal chunks; chunk ``c`` of
-stage ``s`` is virtual stage ``c*pp + s``, layers running through virtual stages in order.
-Each chunk numbers its layers from 0 (``decoder.layers.{local}``) and, with vpp > 1, its names
-carry the chunk as ``model{c}.`` (the keys of Megatron's per-chunk state dicts).
-
-Storage names follow Megatron-core's GPT model with the Transformer Engine layer spec (input
-norm fused into linear_qkv as ``layer_norm_weight``, pre-MLP norm fused into linear_fc1 for
-dense layers, ``pre_mlp_layernorm`` for MoE layers). Multi-token prediction layers
-(``mtp=True``) sit on the last stage's last chunk as ``mtp.layers.{j}.`` (enorm, hnorm,
-eh_proj column-parallel over tp, ``mtp_model_layer.`` a decoder layer, ``final_layernorm``);
-that stage then keeps its own copy of the word embeddings, as Megatron does.
+Ranks in Megatron's default order ``tp-cp-ep-dp-pp``; pipeline splits as Megatron builds them,
+virtual pipeline chunks named ``model{c}.``; storage names of Megatron-core's GPT model with the
+Transformer Engine layer spec, MTP layers included.
+Details: docs/engines.md (Megatron: ranks, stages and names).
 """
 from __future__ import annotations
 
@@ -46,7 +23,7 @@ from ...models.storage import EngineSide, StorageDecl, Stores, check_counts, che
 
 @dataclass(frozen=True)
 class Megatron:
-    """Megatron-core training layout. See the module docstring for rank numbering and splits.
+    """Megatron-core training layout; rank numbering and splits: docs/engines.md (Megatron).
 
     `experts` chooses how a rank stores its local experts:
     ``"grouped"``: TEGroupedMLP, ``mlp.experts.linear_fc1.weight{i}`` / ``linear_fc2.weight{i}``

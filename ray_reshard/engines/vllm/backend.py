@@ -2,37 +2,11 @@
 (``vllm.distributed.weight_transfer``; vLLM 0.32 and 0.33).
 
 Worker side: `RayReshardWeightTransferEngine`, selected with
-``WeightTransferConfig(backend="ray_reshard")``; installing ray-reshard registers it in every vLLM
-process (a ``vllm.general_plugins`` entry point runs `register`). Trainer side:
-`RayReshardTrainerEngine`, built on every trainer rank by
-``WeightTransferTrainerFactory.trainer_init(RayReshardTrainerInitInfo(...), client=...)`` (0.33)
-or ``RayReshardTrainerEngine.trainer_init(...)`` (0.32, whose trainer factory predates it).
-
-One round, driven by trainer rank 0 (the sender):
-
-1. ``trainer_init``: every rank registers its local tensors under ``key``. The sender calls
-   ``client.init_weight_transfer_engine({"key": key})``, then, through each engine's
-   ``collective_rpc``, asks every worker what it holds and how its forward pass reads each
-   parameter (`RayReshardWeightTransferEngine.describe`), plans the specs (`plan_specs`),
-   allocates the fallback staging tensors, and opens one `ReshardGroup` from the trainer actors
-   to the workers. A worker that is not a Ray actor (vLLM's multiprocessing executor, the only
-   one on CPU) is reached through a `WorkerView` mapping its memory
-   (`ray_reshard.engines.views`). Everything is checked before any byte moves.
-2. ``send_weights``: ``client.start_weight_update()``, ``group.refit(specs)`` (bytes go straight
-   into the live parameters and staging tensors), ``client.update_weights({"version": v})``
-   (fallback pieces loaded), ``client.finish_weight_update()``; then the other ranks, waiting in
-   ``send_weights`` meanwhile, are released.
-
-In place or fallback, decided per parameter from what the worker reports (`route`): a parameter
-is written in place only when the forward pass reads that very tensor. It goes through the
-fallback (whole HF tensors into staging tensors, then vLLM's ``load_weights`` inside its layerwise
-reload) when the model is quantized; when the platform released it after loading (shape
-``(0,)``: vLLM's CPU build repacks linear weights for oneDNN); when the module's CPU GEMM ignores
-the weight it is given (a packed copy; an LM head keeps its shape but its logits read the copy);
-when the module's quant method transforms weights after loading (MoE backends that rearrange
-experts, CPU prepacks); and, for all parameters of a module, when any parameter of that module
-falls back (a reload rebuilds the whole module). `RayReshardTrainerEngine.report` lists every
-decision. Protocol details: docs/engines.md.
+``WeightTransferConfig(backend="ray_reshard")`` and registered in every vLLM process by a
+``vllm.general_plugins`` entry point (`register`). Trainer side: `RayReshardTrainerEngine`, on
+every trainer rank; rank 0 drives each round. A parameter is written in place only when the
+forward pass reads that very tensor, else loaded by vLLM's ``load_weights`` (`route`).
+Protocol details: docs/engines.md (The vLLM backend).
 """
 from __future__ import annotations
 

@@ -1,49 +1,10 @@
 """vLLM (inference side): the parallel configuration, its rank numbering and where a rank keeps
 each piece.
 
-Ranks: ``dp`` data-parallel ranks, each a TP ``tp`` x PP ``pp`` model replica for the dense
-parts, in vLLM's order (data parallel outer, then pipeline, tensor inner):
-``rank = dp_rank * (pp * tp) + pp_rank * tp + tp_rank``. Groups of ``engine_dp`` consecutive dp
-ranks form one engine (vLLM's ``data_parallel_size``); ``dp / engine_dp`` engines are
-independent replicas. Inside one engine vLLM spreads MoE layers over its
-``engine_dp * tp`` ranks (``FusedMoEParallelConfig``: tp flattened across dp, flat index
-``dp_rank_in_engine * tp + tp_rank``):
-
-* without expert parallelism (``ep=1``) every rank holds every expert, its FFN dim split over
-  the ``engine_dp * tp`` ranks;
-* with ``ep = engine_dp * tp`` (``enable_expert_parallel``) experts are split over those ranks
-  as ``determine_expert_map`` places them: ``expert_placement="linear"`` gives rank ``r`` a
-  contiguous range, the ``E % ep`` remainder experts going one each to the first ranks;
-  ``"round_robin"`` gives rank ``r`` experts ``r, r+ep, ...``. Shared experts are then
-  replicated over tp when tp > 1 and engine_dp > 1 (vLLM's sequence-parallel MoE, the default
-  all-to-all backend), tensor-parallel otherwise.
-
-Attention, dense MLPs, norms and embeddings are tensor-parallel over tp and replicated over dp.
-Layers over pipeline stages follow vLLM's default partition (extra layers on the stages before
-the last) unless ``layers_per_stage`` is given; names keep the global layer index.
-
-Storage names follow vLLM's model classes: qkv_proj = [q; k; v] per TP rank (kv heads
-replicated when tp > kv heads), gate_up_proj, fused_qkv_a_proj for MLA with q_lora_rank,
-vocabulary padded to ``vocab_padding`` rows and cut in VocabParallelEmbedding's blocks, routed
-experts ``mlp.experts.routed_experts.w13_weight`` / ``w2_weight`` (what vLLM 0.32 and 0.33
-serve; ``version`` below 0.32 gives FusedMoE's older ``mlp.experts.w13_weight``), and
-``mlp.gate.e_score_correction_bias`` only for ``topk_method == "noaux_tc"``.
-
-``quantization="fp8"`` describes an engine serving DeepSeek-style block FP8 (vLLM's
-``Fp8LinearMethod`` / ``Fp8MoEMethod`` with ``weight_block_size``, default 128 x 128): every
-linear projection of attention and MLPs (qkv_proj, o_proj, gate_up_proj, down_proj, the MLA
-projections, shared experts) and the routed experts' w13 / w2 are ``float8_e4m3fn`` with a
-float32 ``<storage>_scale_inv`` of ``[ceil(N/bn), ceil(K/bk)]`` blocks per weight (stacked per
-expert for w13 / w2), and their specs ask the senders to quantise. Norms, embeddings, the
-lm_head, the router gate (and its bias) and the MTP ``eh_proj`` (a plain nn.Linear) stay in
-the model dtype, as vLLM keeps them (the gate as FP8 checkpoints list it in
-``modules_to_not_convert``).
-
-``model="mtp"`` describes vLLM's DeepSeek MTP draft model (``DeepSeekMTP``), refit separately
-from the main model: ``model.embed_tokens.weight``, and per MTP layer ``l`` (numbered after the
-decoder layers) ``model.layers.{l}.enorm`` / ``hnorm`` / ``eh_proj`` (a plain nn.Linear, whole
-on every rank) / ``shared_head.norm`` / ``shared_head.head`` (the lm_head's bytes) and the
-decoder layer under ``model.layers.{l}.mtp_block.``.
+Ranks in vLLM's order (data parallel outer, then pipeline, tensor inner), ``engine_dp`` dp ranks
+per engine, MoE layers over an engine's ``engine_dp * tp`` ranks with or without expert
+parallelism; storage names of vLLM's model classes, block FP8 and the DeepSeek MTP draft model.
+Details: docs/engines.md (vLLM: ranks, experts and names).
 """
 from __future__ import annotations
 
@@ -90,14 +51,14 @@ def split_layers(n_layers: int, pp: int, given: Optional[Sequence[int]]) -> list
 
 @dataclass(frozen=True)
 class VLLM:
-    """vLLM inference layout; see the module docstring.
+    """vLLM inference layout; rank numbering and names: docs/engines.md (vLLM).
 
     `dp` data-parallel ranks in groups of `engine_dp` per engine (default: ep // tp when
     ep > tp, else 1); `ep` is 1 or engine_dp * tp. `vocab_padding` is vLLM's
     DEFAULT_VOCAB_PADDING_SIZE. `expert_placement` is vLLM's expert_placement_strategy.
     `version` picks names that changed between vLLM versions. `model` is "main" or "mtp"
     (the DeepSeek MTP draft model). `quantization="fp8"`: block FP8 of `weight_block_size`
-    (see the module docstring).
+    (see docs/engines.md).
     """
 
     tp: int = 1
