@@ -6,40 +6,7 @@ training trace or at synthetic changed fractions; and the delta codec alone.
     ray-reshard bench-delta --codec                                     # the codec, one thread
     ray-reshard bench-delta --small                                     # a few MiB, seconds
 
-4 source actors on one simulated node hold TP4 row shards of a small transformer's bf16
-weights; 4 destination actors on another node are TP2 x DP2 (as in bench-peers). Two groups
-over those same actors: one only ever runs delta refits (`refit(specs, delta=True)`), the
-other only dense ones (into a second set of destination tensors in the same actors), so
-neither's refits make the other's fall back and each is checked on its own.
-
-* Training trace: a GPT-like model (token and position embeddings, `--layers` pre-norm
-  `nn.TransformerEncoderLayer`s with a causal mask, a final norm, an output head) built from a
-  config sized to `--mb` MiB of bf16 weights, trained with the usual mixed precision: the
-  forward and backward run on the bf16 weights, their gradients go to an fp32 master copy,
-  Adam (`--lr`, RL-like: 1e-6 by default) steps the master, and the bf16 weights (what is
-  refit) are the master rounded. The loss is REINFORCE-like: random token sequences as the
-  sampled actions, each scored by a random normalised advantage.
-* Synthetic (`--synthetic F,...`): random bf16 weights of the same model; each step flips the
-  lowest bit of each element with probability F (so that share of the elements changes), for
-  `--repeats` steps per fraction.
-
-Every step the driver ships the new weights' shards to the sources (not timed), then both
-groups refit them, one after the other, in an order that alternates step by step; each timed
-refit (from the driver's call to its return) starts once the machine is quiet
-(`harness.settle`, at most `SETTLE_LIMIT_S`). Every destination's bytes of both groups are then
-checked against the trainer's bf16 weights (a BLAKE2 digest per destination rank: bit-identical
-or the run fails). A warm-up step before the timed ones refits the initial weights with both
-(the delta group's first refit travels dense: it has no baseline). Printed per step: the share
-of the bf16 elements that changed since the previous step, network bytes of the delta refit vs
-the dense refit and the plan's lower bound, seconds of both, the delta refit's bucket
-encodings. Goals are printed from the medians (time at 0%, 10% and 100% changed and bytes at
-10% from a synthetic run, time along the trace from a trace run), with the time waited for a
-quiet machine and the load average at the start. No object store figures are involved in the
-timed refits (the shards travel through it before them), so spill counters are not read. The
-codec line (`--codec`: a table at several fractions, no cluster) times the delta codec on one
-thread of this machine as a refit runs it: encoding a 16 MiB bucket straight from the tensors
-it is cut from, and applying its payload straight into destination tensors (what the
-simulator's local preset charges per bucket byte).
+Method: docs/delta.md (Benchmark).
 """
 from __future__ import annotations
 

@@ -3,52 +3,9 @@
     python -m ray_reshard bench-peers [--mb 256] [--counts 32,1024,4096] [--repeats 5] [--runs 1]
     python -m ray_reshard bench-peers --shaped 1gbit,2gbit [--mb 128] [--repeats 5]
 
-4 source actors on one node hold TP4 row shards of `--mb` MiB of fp32 weights, cut into 32,
-1024 or 4096 tensors; 4 destination actors on another node are TP2 x DP2. Peers, on those same
-8 actors, after one warm-up run each (whose result is checked against reshard's):
-
-* reshard: `ReshardGroup.refit` (each byte crosses the network once, then the destination
-  node's replicas exchange over shared memory);
-* object store: what a careful Ray user writes: each source returns its shards as one list of
-  numpy arrays (stored once, read zero-copy), each destination fetches the two source objects
-  covering its rows and copies its rows out; every node's object store is sized for the
-  payload, and Ray's spill counters are read before and after: a run that spilled fails;
-* Ray Direct Transport: the same, with the source method declared
-  `@ray.method(tensor_transport="gloo")`, so the tensors go actor to actor over a gloo
-  collective group of the 8 actors instead of through the object store; once as the list of
-  shards, once as one flat tensor per source (one message; the source copies its shards into
-  it, each destination slices its rows out);
-* gather-broadcast: `ReshardGroup(strategy="gather_broadcast")`;
-* raw point-to-point: each source sends as many bytes as reshard moves over the network per
-  source to one destination, all at once, over reshard's own transport (no packing, no plan):
-  what the network of these actors allows; in bucket-sized messages two at a time (as the
-  executor's window) and in one message per pair, the faster of the two being the ceiling.
-
-On loopback (the default: two simulated nodes of one machine) the run adds the fair pair of
-raw point-to-point: reshard TP4 -> TP4 (the same pairs and bytes as the raw sends), and the raw
-sends followed by the forward reshard does inside the destination node (a refit of the first
-replica into the second: the same domain bytes), since the raw sends deliver only half of what
-the destinations hold.
-
-With `--shaped RATES` the run happens on a cluster in a box (`ray_reshard.tools.netns_cluster`: Ray
-nodes in network namespaces, links shaped with tc; needs root, `ip` and `tc`, else it says so
-in one line and runs on loopback), once per link rate; every timed run reads the kernel's byte
-counters of every link, so each peer's time stands beside the bytes it put on the wire, and
-every figure beside the link bound (the busiest link's bytes of reshard's plan over its rate).
-It also refits the layouts across 3 nodes of `bench.shaped.layouts` (pipeline stages, experts)
-beside their link bounds. There reshard's bucket is 4 MiB unless `--bucket-mb` says otherwise
-(gather-broadcast keeps 16 MiB: its collectives gain from large buckets).
-
-Every peer is timed from the driver's call to every destination holding the weights. The peers
-take turns within each repeat (so drift on a shared machine hits all alike), in an order rotated
-each repeat, and each timed run starts once the machine is quiet (`harness.settle`: work the
-previous run left behind, such as the object store freeing its objects, would otherwise be
-charged to whichever peer runs next). Each figure is the median of `--repeats` with its range.
-With `--runs N` the whole measurement runs N times, each on a fresh cluster, and each figure is
-the median of the runs' medians with the lowest and highest of them: how far a fresh cluster
-moves the figure, which one run's range of repeats does not tell (not a guarantee: were the
-runs alike, a further run's median would fall inside the range of N runs' medians with chance
-(N - 1) / (N + 1)). Nothing is asserted; the goals are printed beside the figures.
+Peers: the object store, Ray Direct Transport, gather-broadcast and raw point-to-point, each
+warmed up and checked against reshard's result, then timed in turns. Nothing is asserted; the
+goals print beside the figures. Method: docs/benchmark-commands.md (bench-peers).
 """
 from __future__ import annotations
 
@@ -68,7 +25,7 @@ GOAL_RAW_SHARE = 0.85         # reshard at least this share of raw point-to-poin
 def measure(mb: int, counts: list, repeats: int, bucket_mb: int = 16,
             store_mb: int = 0, log=print) -> dict:
     """Run every peer at every tensor count on a loopback cluster; returns the figures (see
-    the module docstring)."""
+    docs/benchmark-commands.md, bench-peers)."""
     import ray
 
     payload = mb * MiB

@@ -3,23 +3,9 @@
     python -m ray_reshard.tools.bench.report [--small] [--sections a,b] [--out docs/benchmarks.md]
     python -m ray_reshard.tools.bench.report --check [--sections peers,first-refit,calibrate]
 
-Each section runs one command, exactly as a user would (a fresh process, `--json` where the
-command has it), and the page shows the command line beside the tables made from its output,
-with the date, the commit and the machine. Each command's raw output is kept in
-`docs/benchmark-results/` (`--keep DIR` elsewhere), and the page is rendered from every section
-kept there, so `--sections` reruns some and keeps the others' last figures. `--from DIR`
-renders the page from such a directory without running anything. `--small` runs every command
-in its small mode (CI: the page then says so at the top; its figures only show the commands
-work; outputs go to a temporary directory unless `--keep` names one).
-
-Each figure stated over several runs or repeats also gets a 95% prediction: where a further
-run's figure would fall, were the run-to-run variation normal (`harness.predicted_range`).
-`--check` reruns the sections whose figures the page states that way and prints, per figure,
-the page's figure beside this run's and whether this run's median falls inside the page's
-prediction (and inside its plain range of runs; exit status 1 if one falls outside the
-prediction); it writes nothing into `docs/` unless `--out` names a page for the comparison. `--against DIR`
-compares with another kept directory; `--check --from DIR` takes this run's outputs from a kept
-directory instead of running the commands.
+Each section runs one command as a user would; its raw output is kept (`--keep DIR`) and the
+page is rendered from what is kept (`--from DIR`). `--check` compares a rerun with the page's
+predictions. Details: docs/benchmark-commands.md.
 """
 from __future__ import annotations
 

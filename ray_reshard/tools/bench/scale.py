@@ -3,33 +3,9 @@
     python -m ray_reshard bench-replay [--model deepseek-v3] [--scale 8] [--repeat 3]
     python -m ray_reshard bench-first-refit [--models deepseek-v3,qwen3-235b] [--wide 1] [--repeats 3]
 
-replay: plan the real recipe (Megatron -> vLLM, 8 ranks per NVLink domain), compile the
-programs of the busiest destination rank and the busiest source rank (most network bytes), and
-run them through the real executor over a loopback channel (no bytes cross processes), timing
-process CPU time on one thread (wall time on a shared machine mostly measures the neighbours). The
-program keeps its real items, buckets and wire formats; only each item's extent is divided by
-`--scale` per dimension so its tensors fit in memory. Prints items, seconds, microseconds per
-item and the share of the NIC bound (busiest NIC's bytes at 50 GB/s: about 0.84 s for
-DeepSeek-V3) that this CPU time would take. Side by side: the same items through the per-item
-path the executor used before compiled programs (see `per_item_path`), and the executor's time
-per step without its packing and unpacking copies (wall time of the run less the executor's
-own pack and unpack clocks): what a GPU host pays per step besides one copy-table launch; and
-binding the program again from scratch, without and with every part's copy table built (as
-on a GPU).
-
-first-refit: every step the driver and the busiest processes pay on the first refit of a spec
-set. The driver: the recipe's specs, the plan-cache lookup, the plan, its network turns and
-shipping it once (pickling and copying the bytes, as `ray.put` does); each process, in a fresh
-process of its own: unpickling the plan and the runtime's own `worker.install` (localize, shard
-table, compile), for the real recipes and a 1024 -> 1024 rank layout (`--ranks-per-domain 72`:
-GB200 NVL72 domains instead of 8 GPUs). Each figure is the median of `--repeats` measurements
-(CPU time still moves with what shares the cores). The goals (DeepSeek-V3 256 -> 256: driver at
-most 1.0 s of CPU, busiest install at most 0.3 s; 1024 -> 1024 at most 4x those) print beside
-them, judged on the medians.
-
-replay's `compile s` is the process's own share and program (`build_share` +
-`compile_program`); the network turns, which the driver computes once and ships with the plan,
-are timed apart (`turns s`, charged to the first rank of a layout: the plan caches them).
+replay: the busiest ranks' compiled programs through the real executor over a loopback channel;
+first-refit: what the driver and the busiest processes pay on a spec set's first refit. Both
+in CPU time. Method: docs/benchmark-commands.md (bench-replay and bench-first-refit).
 """
 from __future__ import annotations
 

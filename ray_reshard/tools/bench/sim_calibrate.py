@@ -1,40 +1,11 @@
 """Calibrate the simulator's `local` cluster and check its predictions against measured refits.
 
     python -m ray_reshard.tools.bench.sim_calibrate [--mb 64] [--repeats 3]
-
-On a local two-node Ray cluster (4 source actors on node A, 4 destination actors on node B):
-1. measure the link constants with primitive transfers: raw network bandwidth for one pair and
-   for 4 pairs at once (gloo over loopback), the shared-memory ring inside a node (a refit
-   whose moves all stay in the domain, less its copies), the cost of a one-item refit round
-   (latency; the same inside a node: a ring transfer's fixed cost), the extra cost per item
-   (many small tensors), per message (the same bytes in items at the per-item threshold, each
-   its own message, or in one), and one core's copy rates out of strided and contiguous
-   regions into buffers that exist (as packing into staging does);
-2. refit several other layouts, sizes and tensor counts, and print the measured median of
-   `--repeats` refits and their range next to the simulator's prediction for them with those
-   constants (the plans are the ones the group runs; the simulator replays their schedules);
-   a prediction more than 25% off the measured median is marked MISS;
-3. repeat 1-2 `--runs` times (3 by default) and summarize each case's predicted / measured by
-   its median and range over the runs: a median more than 25% off is a MISS.
-
-Every figure, constants included, is a median of `--repeats` runs (3 by default) after a
-warm-up, so a neighbour's burst on a shared machine moves the figures less than a best-of or a
-single run would.
-
-`--json PATH` writes the figures too: its "constants" ({Cluster field: the median over the
-runs of that fitted constant}) and "settings" (the other fields the run sets) are what the
-`local` preset in `ray_reshard/sim/cluster.py` is copied from; each run's own, and the figures
-they are fitted to ("measured"), are under "per_run".
-
     python -m ray_reshard.tools.bench.sim_calibrate --check [--rates 1gbit,2gbit] [--mb 64]
 
-`--check` fits nothing: on a cluster in a box (`ray_reshard.tools.netns_cluster`: 3 Ray nodes in
-network namespaces, links shaped with tc; needs root, `ip` and `tc`) it refits each layout of
-`bench.shaped.layouts` (pipeline stages, experts, uneven shards, 2 and 3 nodes) at each link
-rate, dense and delta (`--fraction` of the elements changed between refits), and prints the
-measured median of `--repeats` beside the prediction of the `shaped` preset for that rate (the
-link's known rate, the local preset's other constants); a prediction more than 15% off is a
-MISS. The summary states the systematic bias (the median of predicted / measured - 1).
+The first fits the `local` preset's constants from primitive transfers and predicts other refits
+with them; `--check` fits nothing and checks the `shaped` presets on a cluster in a box.
+Method: docs/simulator.md (Calibrating the local preset; Shaped links).
 """
 from __future__ import annotations
 
