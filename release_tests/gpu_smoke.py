@@ -302,19 +302,19 @@ def atomic_refit(ctx):
 def delta_codec(ctx):
     """The delta codec on the device: a bf16 bucket with 10% of its elements changed encoded
     against its baseline and decoded back, bit-exact; throughput of each."""
-    from ray_reshard.execution import delta as codec
+    from ray_reshard.execution import codecs, delta as codec
     n = (4 if ctx.dry else 256) << 19                 # bf16 elements (4 or 256 MiB)
     base = torch.randint(-30000, 30000, (n,), dtype=torch.int16, device=ctx.device)
     new = base.clone()
     new[torch.rand(n, device=ctx.device) < 0.1] += 1
     nb, bb = new.view(torch.uint8), base.view(torch.uint8)
-    enc = codec.encode(nb, bb, 2)
-    t_enc = _timed(ctx, lambda: codec.encode(nb, bb, 2), reps=3, trials=3)
+    enc = codecs.encode(nb, bb, 2)
+    t_enc = _timed(ctx, lambda: codecs.encode(nb, bb, 2), reps=3, trials=3)
     out = bb.clone()
-    codec.decode(enc.kind, enc.payload, out, 2)
+    codecs.decode(enc.kind, enc.payload, out, 2)
     if not torch.equal(out, nb) or codec.checksum(out, 2) != enc.check:
         raise AssertionError("decode(encode(x)) != x")
-    t_dec = _timed(ctx, lambda: codec.decode(enc.kind, enc.payload, bb.clone(), 2), reps=3,
+    t_dec = _timed(ctx, lambda: codecs.decode(enc.kind, enc.payload, bb.clone(), 2), reps=3,
                    trials=3)
     return (f"{codec.KINDS[enc.kind]}, payload {enc.nbytes / nb.numel():.3f} of dense; encode "
             f"{nb.numel() / t_enc / 1e9:.1f} GB/s, decode (with a copy) "
