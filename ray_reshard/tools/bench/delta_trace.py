@@ -350,10 +350,7 @@ def combine_runs(outs: list) -> dict:
         if any(v is None for v in values):
             out["goals"].append(dict(g))
             continue
-        s = Spread(values)
-        out["goals"].append(dict(g, measured=s.median, met=s.median <= g["limit"], low=s.low,
-                                 high=s.high, runs=len(values), values=values,
-                                 runs_met=sum(v <= g["limit"] for v in values)))
+        out["goals"].append(dict(g, **Spread(values).judged(lambda v: v <= g["limit"])))
     return out
 
 

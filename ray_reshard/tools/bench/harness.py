@@ -70,6 +70,13 @@ class Spread:
         return {"median": self.median, "low": self.low, "high": self.high,
                 "values": list(self.values)}
 
+    def judged(self, met) -> dict:
+        """A goal's figures over runs: judged on the median (`met(value)`), with the lowest and
+        highest run and in how many runs it was met."""
+        return {"measured": self.median, "met": met(self.median), "low": self.low,
+                "high": self.high, "runs": len(self.values),
+                "runs_met": sum(bool(met(v)) for v in self.values), "values": list(self.values)}
+
 
 def store_bytes_for(payload_bytes: int) -> int:
     """Object store per node for a payload: every byte primary on the sending node and once

@@ -150,11 +150,7 @@ def goals(out: dict) -> list:
                  f"reshard >= {GOAL_OBJECT_STORE:g}x the object store, {count} tensors"),
                 ("raw share", GOAL_RAW_SHARE,
                  f"reshard >= {GOAL_RAW_SHARE:g} of raw point-to-point, {count} tensors")):
-            sp = spreads[key]
-            rows.append({"goal": text, "measured": sp.median, "met": sp.median >= goal,
-                         "low": sp.low, "high": sp.high, "runs": len(sp.values),
-                         "runs_met": sum(v >= goal for v in sp.values),
-                         "values": list(sp.values)})
+            rows.append({"goal": text, **spreads[key].judged(lambda v, g=goal: v >= g)})
     return rows
 
 
