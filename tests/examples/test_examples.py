@@ -76,13 +76,14 @@ def test_unreachable_address_is_one_line_and_exit_2():
     with socket.socket() as s:            # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    for name in ("quickstart.py", "dtensor_fsdp2.py", "megatron_to_vllm.py", "rl_loop.py",
-                 "ray_train_vllm.py"):
-        p = subprocess.run([sys.executable, str(ROOT / "examples" / name), "--address",
-                            f"127.0.0.1:{port}"], cwd=ROOT, capture_output=True, text=True,
-                           timeout=120)
-        assert p.returncode == 2, (name, p.stdout[-1000:], p.stderr[-1000:])
-        err = p.stderr.strip().splitlines()
+    procs = {name: subprocess.Popen([sys.executable, str(ROOT / "examples" / name), "--address",
+                                     f"127.0.0.1:{port}"], cwd=ROOT, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+             for name in CASES}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2, (name, out[-1000:], err[-1000:])
+        err = err.strip().splitlines()
         assert len(err) == 1 and f"no Ray cluster answers at '127.0.0.1:{port}'" in err[0], err
 
 
