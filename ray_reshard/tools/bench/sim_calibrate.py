@@ -227,9 +227,12 @@ def calibrate_once(args, src, dst, near) -> dict:
     local = fitted_cluster(constants, settings)
     c = constants
     print("constants (measured with primitive transfers, not with the refits below):")
+    beyond_round = m['t_dom'] - m['t_ring_round']
+    in_node = (f"{m['dom_bytes'] / beyond_round / 1e9:.2f} GB/s" if beyond_round > 0 else
+               f"not resolved ({m['t_dom'] * 1e3:.1f} ms, within one ring round's "
+               f"{m['t_ring_round'] * 1e3:.1f} ms: too few bytes)")
     print(f"  network one pair {c['nic_Bps'] / 1e9:.2f} GB/s, 4 pairs together "
-          f"{c['fabric_Bps'] / 1e9:.2f} GB/s; shared-memory refit in a node "
-          f"{m['dom_bytes'] / (m['t_dom'] - m['t_ring_round']) / 1e9:.2f} GB/s")
+          f"{c['fabric_Bps'] / 1e9:.2f} GB/s; shared-memory refit in a node {in_node}")
     print(f"  one-item refit {m['t_round'] * 1e3:.1f} ms = overhead "
           f"{c['refit_overhead_s'] * 1e3:.1f} ms + one round; per extra round "
           f"{c['latency_s'] * 1e3:.2f} ms (in a node: {c['ring_latency_s'] * 1e3:.2f} ms); per "
