@@ -46,20 +46,59 @@ def expected(live, sd):
     return reference(live["path"], sd), 2e-3
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-tp{c[1]}-{c[2]}")
-def live(request, cluster, tmp_path_factory):
-    require_vllm()
-    from ray_reshard.engines.vllm.launch import start_engine, write_model
+def case_id(case) -> str:
+    return f"{case[0]}-tp{case[1]}"
 
-    name, tp, train = request.param
-    cfg = CONFIGS[name]
-    path = str(tmp_path_factory.mktemp(f"{name}-tp{tp}"))
-    write_model(cfg, path, seed=0)
-    base = checkpoint_state(path)
-    engine = start_engine(path, tp=tp)
-    yield {"name": name, "cfg": cfg, "tp": tp, "train": train, "infer": VLLM(tp=tp),
-           "path": path, "base": base, "engine": engine, "scale": SCALE[name]}
-    ray.kill(engine)
+
+class OneEngine:
+    """The live engine of the last case asked for: asking for another case stops it and starts
+    that case's. Tests run grouped by case (`order_key`), so each engine starts once and the
+    machine holds one at a time."""
+
+    def __init__(self, tmp_path_factory):
+        self.tmp, self.case, self.live = tmp_path_factory, None, None
+
+    def get(self, case) -> dict:
+        from ray_reshard.engines.vllm.launch import start_engine, write_model
+
+        if case != self.case:
+            self.stop()
+            name, tp, train = case
+            path = str(self.tmp.mktemp(case_id(case)))
+            write_model(CONFIGS[name], path, seed=0)
+            base = checkpoint_state(path)
+            self.live = {"name": name, "cfg": CONFIGS[name], "tp": tp, "train": train,
+                         "infer": VLLM(tp=tp), "path": path, "base": base,
+                         "engine": start_engine(path, tp=tp), "scale": SCALE[name]}
+            self.case = case
+        return self.live
+
+    def stop(self):
+        if self.live is not None:
+            ray.kill(self.live["engine"])
+        self.case = self.live = None
+
+
+@pytest.fixture(scope="module")
+def engines(cluster, tmp_path_factory):
+    require_vllm()
+    one = OneEngine(tmp_path_factory)
+    yield one
+    one.stop()
+
+
+@pytest.fixture
+def live(request, engines):
+    """The engine (and its model) of the case this test is parametrized with."""
+    return engines.get(request.param)
+
+
+def order_key(item):
+    """Grouped by engine case; on each engine, the test that needs it fresh (it compares the
+    first generation with the checkpoint's) runs first."""
+    case = item.callspec.params["live"]
+    fresh = item.originalname == "test_refit_then_generate_equals_transformers"
+    return CASES.index(case), not fresh
 
 
 def trainers_for(live, sd):
@@ -75,6 +114,8 @@ def init_all(trainers, live, infer=None, dtype=torch.float32, key="default"):
                                   dtype, key) for t in trainers])[0]
 
 
+@pytest.mark.parametrize("live", CASES, indirect=True,
+                         ids=lambda c: f"{case_id(c)}-{c[2]}")
 def test_refit_then_generate_equals_transformers(live):
     from ray_reshard.engines.vllm.launch import generate
 
