@@ -134,25 +134,27 @@ def test_spill_fails_loudly():
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_report_small_writes_the_page(tmp_path):
-    """The page generator in its small mode: every section's command, a table from its output,
-    the date, commit and machine."""
+    """The page generator in its small mode: each section's command, a table from its output,
+    the date, commit and machine. Sections whose small command another test runs are left out
+    (CI runs each command once); their tables render in the kept page's test."""
+    run_elsewhere = {"first-refit": "test_bench_first_refit_small",
+                     "delta": "test_bench_delta_small"}
+    small = [n for n, section in report.SECTIONS.items()
+             if section[2] is not None and n not in run_elsewhere]
     out = tmp_path / "benchmarks.md"
     p = subprocess.run([sys.executable, "-m", "ray_reshard.tools.bench.report", "--small", "--out",
-                        str(out), "--keep", str(tmp_path / "raw")], cwd=ROOT,
-                       capture_output=True, text=True, timeout=1800)
+                        str(out), "--keep", str(tmp_path / "raw"), "--sections", ",".join(small)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     page = out.read_text()
     assert "**Small mode**" in page and "do not edit by hand" in page
-    small = [n for n, section in report.SECTIONS.items() if section[2] is not None]
     assert "shaped-peers" in small and "shaped-delta" not in small
     for name in report.SECTIONS:
         assert (f"`{report.command_line(name, True)}`" in page) == (name in small), name
     assert re.search(r"\| 32 x 128x1024 \| [0-9.]+ \[[0-9.]+-[0-9.]+\]", page)
     assert re.search(r"reshard >= 2x the object store, 32 tensors \| [0-9.]+ \[[0-9.]+-[0-9.]+\] "
                      r"\| (met|\*\*not met\*\*) \(\d of 2 runs\)", page)
-    assert re.search(r"\| Qwen3-235B-A22B \| 128->128 \| \d+ \|.*\*\*[0-9.]+\*\* "
-                     r"\[[0-9.]+-[0-9.]+\] \|$", page, re.M)
-    assert re.search(r"delta refit time <= 1 x dense, 10% changed +[0-9.]+ \[[0-9.]+-[0-9.]+\] +"
+    assert re.search(r"delta refit time <= 0.9 x dense, RL trace +[0-9.]+ \[[0-9.]+-[0-9.]+\] +"
                      r"(met|NOT met) \(\d of 2 runs\)", page)        # bench-delta --runs 2
     assert "bound from the layouts alone" in page and "| assumed |" in page
     assert "3.2-3.3 s" in page and "All predictions." in page

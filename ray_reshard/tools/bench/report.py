@@ -46,7 +46,7 @@ SECTIONS = {
     "calibrate": ("The simulator against refits measured on this machine",
                   ["ray_reshard.tools.bench.sim_calibrate", "--mb", "64", "--repeats", "3"],
                   ["ray_reshard.tools.bench.sim_calibrate", "--mb", "4", "--repeats", "1", "--runs",
-                   "2"], True),
+                   "1"], True),
     "simulate": ("One prediction in full: constants, provenance, sensitivity",
                  ["ray_reshard", "simulate", "--model", "deepseek-v3", "--train",
                   "megatron:pp=16,ep=16", "--infer", "vllm:tp=32,dp=8", "--cluster",
