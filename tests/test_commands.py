@@ -327,8 +327,14 @@ def test_bench_ring_wakeup_small():
     assert all(x > 0 for x in futex[:2] + sleep[:2])
 
 
-def test_bench_replay_small():
-    out = run("-m", "ray_reshard", "bench-replay", "--model", "qwen3-235b", "--repeat", "1").stdout
+def test_bench_replay_small(tmp_path):
+    path = tmp_path / "replay.json"
+    out = run("-m", "ray_reshard", "bench-replay", "--model", "qwen3-235b", "--repeat", "2",
+              "--json", str(path)).stdout
+    figures = json.loads(path.read_text())["figures"]
+    assert len(figures) == 2 and all(f["runs"] == 2 and len(f["values"]) == 2 and
+                                     0 < f["low"] <= f["measured"] <= f["high"] for f in figures)
+    assert "median [range] of 2 runs after a warm-up" in out
     rows = [line.split() for line in out.splitlines() if re.search(r"\s(dst|src)\d+\s", line)]
     assert rows and all(int(r[r.index(next(x for x in r if re.fullmatch(r"(dst|src)\d+", x))) + 1])
                         > 0 for r in rows)

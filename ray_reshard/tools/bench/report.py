@@ -40,9 +40,9 @@ SECTIONS = {
                     ["ray_reshard", "bench-first-refit", "--models", "qwen3-235b", "--wide",
                      "0"], True),
     "replay": ("The executor at model scale (CPU seconds)",
-               ["ray_reshard", "bench-replay", "--model", "deepseek-v3", "--repeat", "3"],
-               ["ray_reshard", "bench-replay", "--model", "qwen3-235b", "--repeat", "1"],
-               False),
+               ["ray_reshard", "bench-replay", "--model", "deepseek-v3", "--repeat", "5"],
+               ["ray_reshard", "bench-replay", "--model", "qwen3-235b", "--repeat", "2"],
+               True),
     "calibrate": ("The simulator against refits measured on this machine",
                   ["ray_reshard.tools.bench.sim_calibrate", "--mb", "64", "--repeats", "3"],
                   ["ray_reshard.tools.bench.sim_calibrate", "--mb", "4", "--repeats", "1", "--runs",
@@ -396,8 +396,8 @@ def render(results: dict, small: bool, facts: dict, commit: str) -> str:
 def stated_figures(name: str, r: dict) -> list:
     """The figures section `name`'s output `r` states with a spread, each as {"figure",
     "median", "low", "high", "met", "predicted"}: the goals of peers, first-refit and the delta
-    sections (medians over runs or repeats, with the lowest and highest) and the calibration's
-    predicted / measured ratios; "predicted" is where a further run's figure would fall with 95%
+    sections (medians over runs or repeats, with the lowest and highest), the replay's run
+    times (no goal: "met" is None) and the calibration's predicted / measured ratios; "predicted" is where a further run's figure would fall with 95%
     chance (`harness.predicted_range` of the runs' figures; None without several). Figures of
     a single measurement are left out: nothing states how far they move."""
     from .peers import goals
@@ -409,6 +409,9 @@ def stated_figures(name: str, r: dict) -> list:
         found = [(g["goal"], g["measured"], g["low"], g["high"], g["met"], g.get("values"))
                  for g in (goals(o) if name == "peers" else o.get("goals", []))
                  if g.get("runs", 1) > 1]
+    elif name == "replay":               # figures without a goal: no verdict to compare
+        found = [(x["figure"], x["measured"], x["low"], x["high"], None, x["values"])
+                 for x in o.get("figures", []) if x["runs"] > 1]
     elif name == "calibrate" and o.get("runs", 1) > 1:
         found = [(f"predicted / measured, {x['case']}", x["ratio"], x["low"], x["high"],
                   not x["miss"], x.get("ratios")) for x in o["summary"]]
@@ -419,7 +422,7 @@ def stated_figures(name: str, r: dict) -> list:
             for f, m, lo, hi, met, v in found]
 
 
-CHECKED = ("peers", "first-refit", "calibrate", "delta", "delta-trace")     # in page order
+CHECKED = ("peers", "first-refit", "replay", "calibrate", "delta", "delta-trace")  # page order
 
 
 def compare(name: str, page: dict, fresh: dict) -> list:
@@ -450,7 +453,8 @@ def check_text(rows: list, page_meta: dict) -> list:
                     "inside the prediction", "inside the page's range", "goal verdict"],
                    [(x["figure"], fig(x["page"]), _span_text(x["page"]["predicted"], "none"), fig(x["now"]),
                      yes(x["inside"]), yes(x["in_range"]),
-                     "same" if x["same_verdict"] else "**changed**") for x in rows])
+                     "no goal" if x["page"]["met"] is None
+                     else "same" if x["same_verdict"] else "**changed**") for x in rows])
     n_in = sum(x["inside"] for x in rows)
     n_range = sum(x["in_range"] for x in rows)
     return lines + ["", f"{n_in} of {len(rows)} figures inside the page's 95% prediction; "

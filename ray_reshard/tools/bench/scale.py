@@ -34,6 +34,7 @@ from ...runtime.channel import LoopbackChannel
 from ...runtime.executor import Transports, default_window, run_program
 from ...runtime.local_check import StorageSignature
 from ..cli_args import DEEPSEEK_V3, Parser, QWEN3_235B, output_file
+from .harness import settle
 from .model_bytes import DSV3_PP16, QWEN3_PP8
 
 NIC_BYTES_PER_S = 50e9          # 400 Gb/s per GPU (DGX H100)
@@ -173,19 +174,23 @@ def steady_check(p: Plan, prog: Program, views: dict, repeat: int = 20) -> tuple
     return len(names), len(views), per_storage, per_shard
 
 
-def replay(args) -> None:
+def replay(args) -> dict:
+    """Print the replay table and the steady-state check table; returns the run figures, each
+    the median of `args.repeat` runs with their range and values."""
     torch.set_num_threads(1)         # CPU time below is one thread's work
     title, config, layouts = CASES[args.model]
     print(f"{title}: replay of the busiest ranks' compiled programs through the executor over a "
           f"loopback channel ({args.bucket_mb} MiB buckets, {args.wire} wire format, "
-          f"extents / {args.scale} per dim)")
+          f"extents / {args.scale} per dim). run cpu s: the median [range] of {args.repeat} runs "
+          f"after a warm-up run, each starting once the machine is quiet; us/item and share "
+          f"from that median")
     head = (f"{'layout':<40} {'rank':>6} {'items':>7} {'steps':>6} {'turns s':>7} {'compile s':>9} "
-            f"{'bind s':>7} {'run cpu s':>9} {'wall s':>6} {'us/item':>7} {'NIC bound s':>11} {'share':>6} "
+            f"{'bind s':>7} {'run cpu s':>21} {'wall s':>6} {'us/item':>7} {'NIC bound s':>11} {'share':>6} "
             f"{'per-item path us/item':>21} {'steps w/o copies us/step':>24} "
             f"{'rebind s (foreach / tables)':>27}")
     print(head)
     print("-" * len(head))
-    checks = []
+    checks, figures = [], []
     for train, infer in layouts:
         specs, p, st, _, _ = build(config, train, infer)
         bound_s = max(st.max_recv_bytes, st.max_send_bytes) / NIC_BYTES_PER_S
@@ -214,7 +219,9 @@ def replay(args) -> None:
                 small.bind(views, token)
                 t_bind = time.process_time() - t0
             runs, walls, bare = [], [], []
+            run_program(small, views, tr, deadline, token)         # warm-up, not counted
             for _ in range(args.repeat):
+                settle()
                 t0, c0 = time.perf_counter(), time.process_time()
                 stats = run_program(small, views, tr, deadline, token)
                 runs.append(time.process_time() - c0)
@@ -222,7 +229,7 @@ def replay(args) -> None:
                 clock = stats["clock"]
                 bare.append(walls[-1] - clock["pack"] - clock["unpack"])
             items = small.n_items
-            best = min(runs)
+            mid = statistics.median(runs)
             old = min(per_item_path(small, views) for _ in range(args.repeat)) / items * 1e6
             checks.append((lay, ep, steady_check(p, prog, views)))
             # Binding again from scratch, without and with every part's copy table built as on
@@ -236,10 +243,14 @@ def replay(args) -> None:
                     small.bind(views, None, engine=engine)
                     rebind.append(time.process_time() - t0)
             print(f"{lay:<40} {str(ep):>6} {items:>7} {len(small.steps):>6} {t_turns:>7.2f} {t_compile:>9.2f} "
-                  f"{t_bind:>7.2f} {best:>9.3f} {min(walls):>6.2f} {best / items * 1e6:>7.2f} {bound_s:>11.2f} "
-                  f"{100 * best / bound_s:>5.1f}% {old:>21.1f} "
+                  f"{t_bind:>7.2f} {f'{mid:.3f} [{min(runs):.3f}-{max(runs):.3f}]':>21} "
+                  f"{statistics.median(walls):>6.2f} {mid / items * 1e6:>7.2f} {bound_s:>11.2f} "
+                  f"{100 * mid / bound_s:>5.1f}% {old:>21.1f} "
                   f"{min(bare) / len(small.steps) * 1e6:>24.1f} "
                   f"{f'{rebind[0]:.2f} / {rebind[1]:.2f}':>27}", flush=True)
+            figures.append({"figure": f"replay run CPU s, {lay}, {ep}", "measured": mid,
+                            "low": min(runs), "high": max(runs), "values": runs,
+                            "runs": len(runs), "items": items, "us_per_item": mid / items * 1e6})
             del small, views, prog, share
         del specs, p
     print()
@@ -253,6 +264,7 @@ def replay(args) -> None:
         print(f"{lay:<40} {str(ep):>6} {n_storage:>13} {n_shard:>7} {per_storage * 1e6:>15.2f} "
               f"{per_shard * 1e6:>8.3f} {(n_storage * per_storage + n_shard * per_shard) * 1e3:>8.2f}",
               flush=True)
+    return {"figures": figures, "repeats": args.repeat}
 
 
 # --------------------------------------------------------------------------- first refit
@@ -429,12 +441,18 @@ def main(argv=None, cmd: str = "replay") -> int:
         ap.add_argument("--model", default="deepseek-v3", choices=sorted(CASES))
         ap.add_argument("--scale", type=int, default=8,
                         help="divide every item's extent by this per dimension")
-        ap.add_argument("--repeat", type=int, default=3)
+        ap.add_argument("--repeat", type=int, default=3,
+                        help="timed runs per rank after a warm-up (figures: their median)")
         ap.add_argument("--wire", default="cuda", choices=("cuda", "cpu"),
                         help="wire format of that device type (cuda: packed buckets; cpu: "
                              "large items as their own messages)")
+        ap.add_argument("--json", metavar="PATH", type=output_file,
+                        help="also write the figures as JSON")
         args = ap.parse_args(argv)
-        replay(args)
+        out = replay(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
     else:
         ap.add_argument("--models", default="deepseek-v3,qwen3-235b")
         ap.add_argument("--wide", type=int, default=1, help="also the 1024 -> 1024 layout (0: no)")
