@@ -329,13 +329,15 @@ def test_bench_ring_wakeup_small():
 
 def test_bench_replay_small(tmp_path):
     path = tmp_path / "replay.json"
-    out = run("-m", "ray_reshard", "bench-replay", "--model", "qwen3-235b", "--repeat", "2",
-              "--json", str(path)).stdout
-    figures = json.loads(path.read_text())["figures"]
+    out = run("-m", "ray_reshard", "bench-replay", "--model", "qwen3-235b", "--repeat", "1",
+              "--runs", "2", "--json", str(path)).stdout
+    figures = json.loads(path.read_text())["figures"]      # the runs' medians, over 2 runs
     assert len(figures) == 2 and all(f["runs"] == 2 and len(f["values"]) == 2 and
                                      0 < f["low"] <= f["measured"] <= f["high"] for f in figures)
-    assert "median [range] of 2 runs after a warm-up" in out
-    rows = [line.split() for line in out.splitlines() if re.search(r"\s(dst|src)\d+\s", line)]
+    assert out.count("median [range] of 1 runs after a warm-up") == 2
+    assert "Over the 2 runs" in out
+    rows = [line.split() for line in out.splitlines()
+            if re.search(r"\s(dst|src)\d+\s", line) and not line.startswith(" ")]
     assert rows and all(int(r[r.index(next(x for x in r if re.fullmatch(r"(dst|src)\d+", x))) + 1])
                         > 0 for r in rows)
     assert "us/item" in out and "steps w/o copies" in out and "tables" in out

@@ -1,6 +1,6 @@
 """The executor and the first refit at real-model scale (one process, no cluster).
 
-    python -m ray_reshard bench-replay [--model deepseek-v3] [--scale 8] [--repeat 3]
+    python -m ray_reshard bench-replay [--model deepseek-v3] [--scale 8] [--repeat 3] [--runs 1]
     python -m ray_reshard bench-first-refit [--models deepseek-v3,qwen3-235b] [--wide 1] [--repeats 3]
 
 replay: the busiest ranks' compiled programs through the real executor over a loopback channel;
@@ -267,6 +267,37 @@ def replay(args) -> dict:
     return {"figures": figures, "repeats": args.repeat}
 
 
+def replay_runs(args) -> dict:
+    """`replay` `args.runs` times, each in a fresh process (its tables printed as it goes), then
+    per rank the median of the runs' medians with their range: runs in one process share its
+    state, so their spread understates how far a further run moves."""
+    per_run = []
+    for k in range(args.runs):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "replay.json")
+            print(f"run {k + 1} of {args.runs}, in a fresh process:", flush=True)
+            subprocess.run([sys.executable, "-m", "ray_reshard", "bench-replay", "--model",
+                            args.model, "--scale", str(args.scale), "--repeat", str(args.repeat),
+                            "--wire", args.wire, "--bucket-mb", str(args.bucket_mb), "--json",
+                            path], check=True)
+            with open(path) as f:
+                per_run.append(json.load(f)["figures"])
+            print(flush=True)
+    print(f"Over the {args.runs} runs: run cpu s, the median of each run's median [range of "
+          f"those medians]")
+    figures = []
+    for i, first in enumerate(per_run[0]):
+        medians = [run[i]["measured"] for run in per_run]
+        mid = statistics.median(medians)
+        figures.append(dict(first, measured=mid, low=min(medians), high=max(medians),
+                            values=medians, runs=len(medians),
+                            us_per_item=mid / first["items"] * 1e6))
+        print(f"  {first['figure'][len('replay run CPU s, '):]:<48} {mid:.3f} "
+              f"[{min(medians):.3f}-{max(medians):.3f}]  {mid / first['items'] * 1e6:.2f} us/item",
+              flush=True)
+    return {"figures": figures, "repeats": args.repeat, "runs": args.runs}
+
+
 # --------------------------------------------------------------------------- first refit
 GOAL_DRIVER_S = 1.0          # DeepSeek-V3 256 -> 256: the driver's CPU seconds, specs included
 GOAL_INSTALL_S = 0.3         # and the busiest process's whole install
@@ -446,10 +477,13 @@ def main(argv=None, cmd: str = "replay") -> int:
         ap.add_argument("--wire", default="cuda", choices=("cuda", "cpu"),
                         help="wire format of that device type (cuda: packed buckets; cpu: "
                              "large items as their own messages)")
+        ap.add_argument("--runs", type=int, default=1,
+                        help="runs of the whole replay, each in a fresh process (figures: the "
+                             "median of the runs' medians, with their range)")
         ap.add_argument("--json", metavar="PATH", type=output_file,
                         help="also write the figures as JSON")
         args = ap.parse_args(argv)
-        out = replay(args)
+        out = replay_runs(args) if args.runs > 1 else replay(args)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=1)
