@@ -158,12 +158,14 @@ class Slots:
         h = self._hash
         if h is None:
             r = self.ranks
+            n = len(r)
+            first, last = (r[0], r[-1]) if n else (-1, -1)
             slot = self._slot
             if slot is None:
-                h = hash((len(r), r[:1], r[-1:], self._slots))
+                h = hash((n, first, last, self._slots))
             else:           # the Slot's fields: one tuple, no call to the Slot's own hash
-                h = hash((len(r), r[:1], r[-1:], slot.storage, slot.index, slot.dim,
-                          slot.offset))
+                d = slot.__dict__
+                h = hash((n, first, last, d["storage"], d["index"], d["dim"], d["offset"]))
             self._hash = h
         return h
 

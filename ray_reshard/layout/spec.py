@@ -73,6 +73,29 @@ class TensorSpec:
         except TypeError:
             pass          # an unhashable field (e.g. a list as Slot index): fails when hashed
 
+    def sibling(self, src: Layout, dst: Layout | LayoutUnion, src_slots: Optional[Slots],
+                dst_slots: Optional[Slots]) -> "TensorSpec":
+        """This spec (shape, dtypes, no `quant`) with other layouts and slot tables: only what
+        differs is checked. Model recipes build thousands of expert specs alike this way."""
+        if self.quant is not None:
+            raise ValueError("sibling() keeps no quant format; build quantised specs whole")
+        if not isinstance(src, Layout) or not isinstance(dst, (Layout, LayoutUnion)):
+            return TensorSpec(self.shape, self.dtype, src, dst, self.src_dtype, src_slots,
+                              dst_slots)                     # raises the constructor's error
+        if (src_slots is not None and type(src_slots) is not Slots) or \
+                (dst_slots is not None and type(dst_slots) is not Slots):
+            return TensorSpec(self.shape, self.dtype, src, dst, self.src_dtype, src_slots,
+                              dst_slots)                     # freezes them as the constructor does
+        spec = _new(TensorSpec)
+        d = spec.__dict__
+        d.update(shape=self.shape, dtype=self.dtype, src=src, dst=dst, src_dtype=self.src_dtype,
+                 src_slots=src_slots, dst_slots=dst_slots, quant=None)
+        try:
+            hash(spec)    # cached now, as the constructor does
+        except TypeError:
+            pass
+        return spec
+
     def _check_shape(self) -> None:
         """Raise unless `shape` is a sequence of non-negative ints; keep it as a tuple."""
         shape = self.shape
@@ -200,6 +223,7 @@ class TensorSpec:
             _quant.validate(self, name)
 
 
+_new = object.__new__
 _ITEMSIZE: dict = {}
 _COPYABLE: dict = {}
 # torch indexes a tensor's bytes with 64-bit signed integers

@@ -12,7 +12,7 @@ from ..layout.slicing import assemble as _assemble
 from ..layout.spec import TensorSpec
 from .config import ModelDims, model_dims
 from .pieces import Piece, enumerate_pieces, hf_shapes, resolve_hf_experts
-from .storage import EngineSide, StorageDecl, make_side
+from .storage import EXPERT_KINDS, EngineSide, StorageDecl, make_side
 
 SIDES = {"src": "src", "train": "src", "dst": "dst", "infer": "dst"}
 
@@ -54,20 +54,42 @@ class Recipe:
               src_dtype: Optional[torch.dtype] = None) -> dict[str, TensorSpec]:
         out = {}
         with gc_paused(keep=True):
-            for pc in self.pieces:
-                s_lay, s_slots = self.src.place(pc)
-                d_lay, d_slots = self.dst.place(pc)
+            src, dst = _placements(self.src, self.pieces), _placements(self.dst, self.pieces)
+            first: dict = {}          # (layer, kind) -> an expert group's first spec
+            for pc, (s_lay, s_slots), (d_lay, d_slots) in zip(self.pieces, src, dst):
+                quant = self.dst.quant_of(pc)
+                if quant is None and pc.expert is not None and pc.kind in EXPERT_KINDS:
+                    like = first.get((pc.layer, pc.kind))
+                    if like is not None and like.shape == pc.shape:   # checked once
+                        out[pc.name] = like.sibling(s_lay, d_lay, s_slots, d_slots)
+                        continue
                 dt = _piece_dtype(pc, dtype)
                 sdt = _piece_dtype(pc, src_dtype) if src_dtype is not None else None
-                quant = self.dst.quant_of(pc)
                 if quant is not None:       # block FP8, quantised by the senders
                     out[pc.name] = TensorSpec(pc.shape, FP8, s_lay, d_lay, src_dtype=sdt or dt,
                                               src_slots=s_slots, dst_slots=d_slots, quant=quant)
                     continue
-                out[pc.name] = TensorSpec(pc.shape, dt, s_lay, d_lay,
-                                          src_dtype=None if sdt == dt else sdt,
-                                          src_slots=s_slots, dst_slots=d_slots)
+                spec = out[pc.name] = TensorSpec(pc.shape, dt, s_lay, d_lay,
+                                                 src_dtype=None if sdt == dt else sdt,
+                                                 src_slots=s_slots, dst_slots=d_slots)
+                if pc.expert is not None and pc.kind in EXPERT_KINDS:
+                    first[(pc.layer, pc.kind)] = spec
         return out
+
+
+def _placements(side: EngineSide, pieces: list[Piece]) -> list:
+    """side.place(pc) of every piece, the per-expert ones a layer and kind at a time."""
+    out: list = [None] * len(pieces)
+    groups: dict = {}
+    for i, pc in enumerate(pieces):
+        if pc.expert is not None and pc.kind in EXPERT_KINDS:
+            groups.setdefault((pc.layer, pc.kind), []).append(i)
+        else:
+            out[i] = side.place(pc)
+    for at in groups.values():
+        for i, got in zip(at, side.place_experts([pieces[i] for i in at])):
+            out[i] = got
+    return out
 
 
 def refit_specs(config: Any, train, infer, dtype: torch.dtype = torch.bfloat16,

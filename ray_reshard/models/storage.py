@@ -127,6 +127,13 @@ class EngineSide:
         out.update(self.global_stores(rank).values())
         return out
 
+    def place_experts(self, pieces: Sequence[Piece]) -> list[tuple[Layout, Slots]]:
+        """`place` of each of `pieces`: the per-expert pieces of one layer and kind (see
+        `check_expert_group`). Engines whose experts are most of a model's pieces work out
+        what the group shares once."""
+        check_expert_group(pieces)
+        return [self.place(pc) for pc in pieces]
+
     def place(self, pc: Piece) -> tuple[Layout, Slots]:
         """The piece's layout on this side and the Slot of every rank holding part of it."""
         got = self._cache.get(pc.name)
@@ -166,14 +173,32 @@ class EngineSide:
 
     def _same(self, layout: Layout, slot: Slot) -> tuple[Layout, Slots]:
         """Every rank of the layout keeps the piece in the same slot."""
+        return layout, Slots(self._sorted_ranks(layout), slot)
+
+    def _sorted_ranks(self, layout: Layout) -> tuple[int, ...]:
         ranks = self._sorted.get(id(layout))
         if ranks is None:
             ranks = self._sorted[id(layout)] = tuple(sorted(layout.mesh.ranks))
-        return layout, Slots.same(ranks, slot)
+        return ranks
 
     @staticmethod
     def _table(slots: dict) -> Slots:
         return Slots.from_pairs(slots)
+
+
+EXPERT_KINDS = frozenset(("e_gate", "e_up", "e_down"))
+
+
+def check_expert_group(pieces: Sequence[Piece]) -> None:
+    """Raise unless `pieces` are per-expert pieces (an expert index each) of one layer and
+    one kind, as `EngineSide.place_experts` takes them."""
+    if not pieces:
+        raise ValueError("an expert group needs at least one piece")
+    layer, kind = pieces[0].layer, pieces[0].kind
+    if kind not in EXPERT_KINDS or not all(
+            [pc.layer == layer and pc.kind == kind and pc.expert is not None for pc in pieces]):
+        raise ValueError(f"an expert group holds per-expert pieces of one layer and kind; got "
+                         f"{[pc.name for pc in pieces][:4]}...")
 
 
 def make_side(dims: ModelDims, parallel) -> EngineSide:

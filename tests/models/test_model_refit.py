@@ -177,3 +177,56 @@ def test_mtp_refit_megatron_to_vllm_draft():
     assert not any(n.startswith("model.layers.3.") for n in main)
     with pytest.raises(ValueError, match="Megatron\\(mtp=True\\)"):
         refit_specs(cfg, Megatron(tp=2, ep=2, etp=1), draft)
+
+
+GROUPED = [(c[0], c[1], c[2], c[3], c[4]) for c in CASES if "moe" in c[1] or "deepseek" in c[1]]
+
+
+def _check_specs_as_each_piece(cfg, train, infer, hf_experts, layers=None):
+    """Recipe.specs places the per-expert pieces a layer and kind at a time and builds each
+    group's specs from its first; every spec must be what placing its piece alone gives, in
+    the pieces' order, and hash as a spec built whole (with `layers`, the pieces of those
+    layers and every piece outside a layer)."""
+    from ray_reshard.layout.spec import TensorSpec
+    from ray_reshard.models import Recipe
+
+    recipe = Recipe(cfg, train, infer, hf_experts)
+    specs = recipe.specs(torch.bfloat16, torch.float32)
+    assert list(specs) == [pc.name for pc in recipe.pieces]
+    experts = 0
+    for pc, (name, spec) in zip(recipe.pieces, specs.items()):
+        if layers is not None and pc.layer is not None and pc.layer not in layers:
+            continue
+        (s_lay, s_slots), (d_lay, d_slots) = recipe.src.place(pc), recipe.dst.place(pc)
+        assert spec.shape == pc.shape and spec.src == s_lay and spec.dst == d_lay, name
+        assert tuple(spec.src_slots) == tuple(s_slots), name
+        assert tuple(spec.dst_slots) == tuple(d_slots), name
+        whole = TensorSpec(spec.shape, spec.dtype, spec.src, spec.dst, spec.src_dtype,
+                           tuple(spec.src_slots), tuple(spec.dst_slots), spec.quant)
+        assert spec == whole and hash(spec) == hash(whole), name
+        experts += pc.expert is not None
+    return experts
+
+
+@pytest.mark.parametrize("case", GROUPED, ids=[c[0] for c in GROUPED])
+@pytest.mark.parametrize("hf_experts", ["split", "fused"])
+def test_expert_groups_give_each_piece_its_own_placement(case, hf_experts):
+    _, family, over, train, infer = case
+    cfg, _ = make_model(family, **over)
+    experts = _check_specs_as_each_piece(cfg, train, infer, hf_experts)
+    assert experts > 0 or hf_experts == "fused"    # fused: per-expert pieces only where cut
+
+
+def test_expert_groups_at_deepseek_v3_scale():
+    """The real model's recipes, main model and MTP draft, checked on the first and last MoE
+    layers and the MTP layer (the whole model takes seconds)."""
+    from ray_reshard.tools.cli_args import DEEPSEEK_V3
+
+    stages = dict(pp=16, first_stage_layers=3, last_stage_layers=2)
+    layers = {3, 60, 61}                  # stage 0's first MoE layer, stage 15's last, MTP
+    for train, infer, moe_layers in (
+            (Megatron(tp=1, ep=16, etp=1, dp=16, **stages), VLLM(tp=32, dp=8), 2),
+            (Megatron(tp=1, ep=16, etp=1, dp=16, mtp=True, **stages),
+             VLLM(tp=32, dp=8, ep=32, model="mtp"), 1)):
+        experts = _check_specs_as_each_piece(DEEPSEEK_V3, train, infer, "split", layers)
+        assert experts == moe_layers * 256 * 3

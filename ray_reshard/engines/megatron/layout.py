@@ -15,10 +15,11 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ...layout.placement import Replicate, Shard
-from ...layout.slots import Slot
+from ...layout.slots import Slot, Slots
 from ...models.config import ModelDims
 from ...models.pieces import Piece, is_mtp
-from ...models.storage import EngineSide, StorageDecl, Stores, check_counts, check_pos, div
+from ...models.storage import (EngineSide, StorageDecl, Stores, check_counts, check_expert_group,
+                               check_pos, div)
 
 
 @dataclass(frozen=True)
@@ -378,27 +379,53 @@ class MegatronSide(EngineSide):
 
     def _place_expert(self, pc: Piece, s: int):
         par, k = self.par, pc.kind
-        fc = "e_fc2" if k == "e_down" else "e_fc1"
-        off = self.d.moe_intermediate // par.expert_tp if k == "e_up" else 0
         if pc.expert is None:
+            fc = "e_fc2" if k == "e_down" else "e_fc1"
+            off = self.d.moe_intermediate // par.expert_tp if k == "e_up" else 0
             if par.experts != "stacked":
                 raise AssertionError("stacked expert piece on a per-expert storage")
             store = self.store_name((fc, None), pc.layer)
             lay = self._layout(self.expert_grid(s),          # [edp, ep, etp]
                                (Replicate(), Shard(0), Shard(2 if k == "e_down" else 1)))
             return self._same(lay, Slot(store) if k == "e_down" else Slot(store, dim=1, offset=off))
-        p, i = divmod(pc.expert, self.experts_local)
+        return self._expert_rule(pc.layer, k, s)(pc.expert)
+
+    def place_experts(self, pieces: Sequence[Piece]) -> list:
+        check_expert_group(pieces)
+        first = pieces[0]
+        one = self._expert_rule(first.layer, first.kind, self._stage_of(first.layer))
+        return [one(pc.expert) for pc in pieces]
+
+    def _expert_rule(self, layer: int, k: str, s: int):
+        """expert index -> (layout, slots) of the per-expert pieces of kind `k` in `layer`."""
+        par = self.par
+        fc = "e_fc2" if k == "e_down" else "e_fc1"
+        off = self.d.moe_intermediate // par.expert_tp if k == "e_up" else 0
         tdim = 1 if k == "e_down" else 0
-        # one layout per (stage, EP rank, sharded dim), shared by its experts of every layer
-        lay = self._expert_layouts.get((s, p, tdim))
-        if lay is None:
-            lay = self._expert_layouts[(s, p, tdim)] = self._shard(self.expert_grid(s)[:, p, :], tdim)
-        if par.experts == "stacked":
-            store, index = self.store_name((fc, None), pc.layer), (i,)
-        else:
-            store, index = self.store_name((fc, i), pc.layer), ()
-        slot = Slot(store, index) if k == "e_down" else Slot(store, index, dim=0, offset=off)
-        return self._same(lay, slot)
+        per_rank, layouts = self.experts_local, self._expert_layouts
+        stacked = self.store_name((fc, None), layer) if par.experts == "stacked" else None
+        placed: dict = {}             # EP rank -> (layout, its ranks), for this rule's calls
+        slots: dict = {}              # local expert -> Slot
+
+        def one(expert: int):
+            p, i = divmod(expert, per_rank)
+            got = placed.get(p)
+            if got is None:
+                # one layout per (stage, EP rank, sharded dim), shared by its experts of every layer
+                lay = layouts.get((s, p, tdim))
+                if lay is None:
+                    lay = layouts[(s, p, tdim)] = self._shard(self.expert_grid(s)[:, p, :], tdim)
+                got = placed[p] = (lay, self._sorted_ranks(lay))
+            slot = slots.get(i)       # the same local position on every EP rank
+            if slot is None:
+                if stacked is not None:
+                    store, index = stacked, (i,)
+                else:
+                    store, index = self.store_name((fc, i), layer), ()
+                slot = slots[i] = Slot(store, index) if k == "e_down" else \
+                    Slot(store, index, dim=0, offset=off)
+            return got[0], Slots(got[1], slot)
+        return one
 
 
 def fill_dp(fields: dict) -> dict:

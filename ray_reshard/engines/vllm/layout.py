@@ -15,10 +15,11 @@ import numpy as np
 
 from ...layout.placement import Replicate, Shard
 from ...layout.quant import BlockFP8
-from ...layout.slots import Slot
+from ...layout.slots import Slot, Slots
 from ...models.config import ModelDims
 from ...models.pieces import Piece, is_mtp
-from ...models.storage import EngineSide, StorageDecl, Stores, check_counts, check_pos, div
+from ...models.storage import (EngineSide, StorageDecl, Stores, check_counts, check_expert_group,
+                               check_pos, div)
 
 PLACEMENTS = ("linear", "round_robin")
 QUANTIZATIONS = (None, "fp8")
@@ -483,31 +484,59 @@ class VLLMSide(EngineSide):
         return self._same(lay, Slot(store, dim=0, offset=base))
 
     def _place_expert(self, pc: Piece, stage: int):
-        par, k = self.par, pc.kind
-        w = self.store_name("w2" if k == "e_down" else "w13", pc.layer)
-        off = self.expert_inter if k == "e_up" else 0
-        ep = par.ep > 1
-        if ep and pc.expert is not None:
-            t, i = self.owner[pc.expert]
-            slot = Slot(w, (i,)) if k == "e_down" else Slot(w, (i,), dim=0, offset=off)
-            # one layout per (stage, EP rank), shared by its experts of every layer
-            lay = self._expert_layouts.get(("rep", stage, t))
-            if lay is None:
-                lay = self._expert_layouts[("rep", stage, t)] = \
-                    self._rep(self.expert_grid(stage)[:, t])
-            return self._same(lay, slot)
         if pc.expert is None:
+            par, k = self.par, pc.kind
+            w = self.store_name("w2" if k == "e_down" else "w13", pc.layer)
+            off = self.expert_inter if k == "e_up" else 0
             if self.needs_expert_split:
                 raise AssertionError("stacked expert piece on an uneven expert placement")
-            tdim = 0 if ep else (2 if k == "e_down" else 1)
+            tdim = 0 if par.ep > 1 else (2 if k == "e_down" else 1)
             slot = Slot(w) if k == "e_down" else Slot(w, dim=1, offset=off)
             return self._same(self._shard(self.expert_grid(stage), tdim), slot)
-        e = pc.expert
-        slot = Slot(w, (e,)) if k == "e_down" else Slot(w, (e,), dim=0, offset=off)
+        return self._expert_rule(pc.layer, pc.kind, stage)(pc.expert)
+
+    def place_experts(self, pieces: Sequence[Piece]) -> list:
+        check_expert_group(pieces)
+        l = pieces[0].layer
+        one = self._expert_rule(l, pieces[0].kind,
+                                self.stage_of[l - self.d.layers if self.mtp else l])
+        return [one(pc.expert) for pc in pieces]
+
+    def _expert_rule(self, layer: int, k: str, stage: int):
+        """expert index -> (layout, slots) of the per-expert pieces of kind `k` in `layer`."""
+        w = self.store_name("w2" if k == "e_down" else "w13", layer)
+        off = self.expert_inter if k == "e_up" else 0
+        layouts = self._expert_layouts
+        if self.par.ep > 1:
+            owner = self.owner
+            placed: dict = {}         # EP rank -> (layout, its ranks), for this rule's calls
+            slots: dict = {}          # local expert -> Slot
+
+            def one(expert: int):
+                t, i = owner[expert]
+                slot = slots.get(i)   # the same local position on every EP rank
+                if slot is None:
+                    slot = slots[i] = Slot(w, (i,)) if k == "e_down" else \
+                        Slot(w, (i,), dim=0, offset=off)
+                got = placed.get(t)
+                if got is None:
+                    # one layout per (stage, EP rank), shared by its experts of every layer
+                    lay = layouts.get(("rep", stage, t))
+                    if lay is None:
+                        lay = layouts[("rep", stage, t)] = \
+                            self._rep(self.expert_grid(stage)[:, t])
+                    got = placed[t] = (lay, self._sorted_ranks(lay))
+                return got[0], Slots(got[1], slot)
+            return one
         tdim = 1 if k == "e_down" else 0
         # one layout per (stage, sharded dim), shared by every expert of the stage's layers
-        lay = self._expert_layouts.get(("shard", stage, tdim))
+        lay = layouts.get(("shard", stage, tdim))
         if lay is None:
-            lay = self._expert_layouts[("shard", stage, tdim)] = \
-                self._shard(self.expert_grid(stage), tdim)
-        return self._same(lay, slot)
+            lay = layouts[("shard", stage, tdim)] = self._shard(self.expert_grid(stage), tdim)
+        ranks = self._sorted_ranks(lay)
+
+        def one(expert: int):
+            slot = Slot(w, (expert,)) if k == "e_down" else \
+                Slot(w, (expert,), dim=0, offset=off)
+            return lay, Slots(ranks, slot)
+        return one
