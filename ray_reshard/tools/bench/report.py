@@ -1,7 +1,7 @@
 """Run the benchmarks and write their figures to one generated page (no figure typed by hand).
 
     python -m ray_reshard.tools.bench.report [--small] [--sections a,b] [--out docs/benchmarks.md]
-    python -m ray_reshard.tools.bench.report --check [--sections peers,first-refit,calibrate]
+    python -m ray_reshard.tools.bench.report --check [--sections peers,first-refit,replay]
 
 Each section runs one command as a user would; its raw output is kept (`--keep DIR`) and the
 page is rendered from what is kept (`--from DIR`). `--check` compares a rerun with the page's
