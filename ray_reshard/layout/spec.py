@@ -79,13 +79,12 @@ class TensorSpec:
         differs is checked. Model recipes build thousands of expert specs alike this way."""
         if self.quant is not None:
             raise ValueError("sibling() keeps no quant format; build quantised specs whole")
-        if not isinstance(src, Layout) or not isinstance(dst, (Layout, LayoutUnion)):
+        if not isinstance(src, Layout) or not isinstance(dst, (Layout, LayoutUnion)) or \
+                type(src_slots) not in (Slots, type(None)) or \
+                type(dst_slots) not in (Slots, type(None)):
+            # the constructor's errors, or its freezing of slot tables given as pairs
             return TensorSpec(self.shape, self.dtype, src, dst, self.src_dtype, src_slots,
-                              dst_slots)                     # raises the constructor's error
-        if (src_slots is not None and type(src_slots) is not Slots) or \
-                (dst_slots is not None and type(dst_slots) is not Slots):
-            return TensorSpec(self.shape, self.dtype, src, dst, self.src_dtype, src_slots,
-                              dst_slots)                     # freezes them as the constructor does
+                              dst_slots)
         spec = _new(TensorSpec)
         d = spec.__dict__
         d.update(shape=self.shape, dtype=self.dtype, src=src, dst=dst, src_dtype=self.src_dtype,

@@ -127,12 +127,19 @@ class EngineSide:
         out.update(self.global_stores(rank).values())
         return out
 
+    def _expert_rule(self, layer: int, kind: str):
+        """expert index -> (layout, slots) of the per-expert pieces of `kind` in `layer`, with
+        what they share worked out once; None where the side has no such rule."""
+        return None
+
     def place_experts(self, pieces: Sequence[Piece]) -> list[tuple[Layout, Slots]]:
         """`place` of each of `pieces`: the per-expert pieces of one layer and kind (see
-        `check_expert_group`). Engines whose experts are most of a model's pieces work out
-        what the group shares once."""
+        `check_expert_group`), through the side's `_expert_rule` where it has one."""
         check_expert_group(pieces)
-        return [self.place(pc) for pc in pieces]
+        one = self._expert_rule(pieces[0].layer, pieces[0].kind)
+        if one is None:
+            return [self.place(pc) for pc in pieces]
+        return [one(pc.expert) for pc in pieces]
 
     def place(self, pc: Piece) -> tuple[Layout, Slots]:
         """The piece's layout on this side and the Slot of every rank holding part of it."""

@@ -18,8 +18,7 @@ from ...layout.placement import Replicate, Shard
 from ...layout.slots import Slot, Slots
 from ...models.config import ModelDims
 from ...models.pieces import Piece, is_mtp
-from ...models.storage import (EngineSide, StorageDecl, Stores, check_counts, check_expert_group,
-                               check_pos, div)
+from ...models.storage import EngineSide, StorageDecl, Stores, check_counts, check_pos, div
 
 
 @dataclass(frozen=True)
@@ -388,17 +387,10 @@ class MegatronSide(EngineSide):
             lay = self._layout(self.expert_grid(s),          # [edp, ep, etp]
                                (Replicate(), Shard(0), Shard(2 if k == "e_down" else 1)))
             return self._same(lay, Slot(store) if k == "e_down" else Slot(store, dim=1, offset=off))
-        return self._expert_rule(pc.layer, k, s)(pc.expert)
+        return self._expert_rule(pc.layer, k)(pc.expert)
 
-    def place_experts(self, pieces: Sequence[Piece]) -> list:
-        check_expert_group(pieces)
-        first = pieces[0]
-        one = self._expert_rule(first.layer, first.kind, self._stage_of(first.layer))
-        return [one(pc.expert) for pc in pieces]
-
-    def _expert_rule(self, layer: int, k: str, s: int):
-        """expert index -> (layout, slots) of the per-expert pieces of kind `k` in `layer`."""
-        par = self.par
+    def _expert_rule(self, layer: int, k: str):
+        par, s = self.par, self._stage_of(layer)
         fc = "e_fc2" if k == "e_down" else "e_fc1"
         off = self.d.moe_intermediate // par.expert_tp if k == "e_up" else 0
         tdim = 1 if k == "e_down" else 0

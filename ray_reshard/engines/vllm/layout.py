@@ -18,8 +18,7 @@ from ...layout.quant import BlockFP8
 from ...layout.slots import Slot, Slots
 from ...models.config import ModelDims
 from ...models.pieces import Piece, is_mtp
-from ...models.storage import (EngineSide, StorageDecl, Stores, check_counts, check_expert_group,
-                               check_pos, div)
+from ...models.storage import EngineSide, StorageDecl, Stores, check_counts, check_pos, div
 
 PLACEMENTS = ("linear", "round_robin")
 QUANTIZATIONS = (None, "fp8")
@@ -493,17 +492,10 @@ class VLLMSide(EngineSide):
             tdim = 0 if par.ep > 1 else (2 if k == "e_down" else 1)
             slot = Slot(w) if k == "e_down" else Slot(w, dim=1, offset=off)
             return self._same(self._shard(self.expert_grid(stage), tdim), slot)
-        return self._expert_rule(pc.layer, pc.kind, stage)(pc.expert)
+        return self._expert_rule(pc.layer, pc.kind)(pc.expert)
 
-    def place_experts(self, pieces: Sequence[Piece]) -> list:
-        check_expert_group(pieces)
-        l = pieces[0].layer
-        one = self._expert_rule(l, pieces[0].kind,
-                                self.stage_of[l - self.d.layers if self.mtp else l])
-        return [one(pc.expert) for pc in pieces]
-
-    def _expert_rule(self, layer: int, k: str, stage: int):
-        """expert index -> (layout, slots) of the per-expert pieces of kind `k` in `layer`."""
+    def _expert_rule(self, layer: int, k: str):
+        stage = self.stage_of[layer - self.d.layers if self.mtp else layer]
         w = self.store_name("w2" if k == "e_down" else "w13", layer)
         off = self.expert_inter if k == "e_up" else 0
         layouts = self._expert_layouts
