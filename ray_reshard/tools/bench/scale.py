@@ -271,15 +271,16 @@ def replay_runs(args) -> dict:
     """`replay` `args.runs` times, each in a fresh process (its tables printed as it goes), then
     per rank the median of the runs' medians with their range: runs in one process share its
     state, so their spread understates how far a further run moves."""
+    # every option of this replay but --runs and --json, for each run's own command line
+    same = [a for k, v in vars(args).items() if k not in ("runs", "json")
+            for a in (f"--{k.replace('_', '-')}", str(v))]
     per_run = []
     for k in range(args.runs):
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "replay.json")
             print(f"run {k + 1} of {args.runs}, in a fresh process:", flush=True)
-            subprocess.run([sys.executable, "-m", "ray_reshard", "bench-replay", "--model",
-                            args.model, "--scale", str(args.scale), "--repeat", str(args.repeat),
-                            "--wire", args.wire, "--bucket-mb", str(args.bucket_mb), "--json",
-                            path], check=True)
+            subprocess.run([sys.executable, "-m", "ray_reshard", "bench-replay", *same,
+                            "--json", path], check=True)
             with open(path) as f:
                 per_run.append(json.load(f)["figures"])
             print(flush=True)
