@@ -261,20 +261,26 @@ def call(engine, fn: Callable, *args, timeout_s: float = 300.0, **kwargs) -> tup
     engine to serve (TimeoutError naming its state otherwise)."""
     deadline = time.monotonic() + timeout_s
     pause = POLL_S[0]
+    st = None                     # the gate's state at the last answer that was not "ok"
+
+    def not_served():
+        return TimeoutError(f"the engine did not serve within {timeout_s} s: it is "
+                            f"{st['state']}" + (f" ({st['held_why']})" if st["held_why"]
+                                                else f" (refit v{st['updating_to']})"))
     while True:
         left = deadline - time.monotonic()
         try:
             out = ray.get(engine.__ray_call__.remote(gate_call, fn, args, kwargs),
                           timeout=max(left, 0.001))
         except GetTimeoutError:
+            if st is not None:    # it answered before: a late poll outlived the deadline
+                raise not_served() from None
             raise TimeoutError(f"the engine did not answer within {timeout_s} s") from None
         if out[0] == "ok":
             return out[1], out[2]
+        st = out[1]
         if time.monotonic() + pause > deadline:
-            st = out[1]
-            raise TimeoutError(f"the engine did not serve within {timeout_s} s: it is "
-                               f"{st['state']}" + (f" ({st['held_why']})" if st["held_why"]
-                                                   else f" (refit v{st['updating_to']})"))
+            raise not_served()
         time.sleep(pause)
         pause = min(pause * 2, POLL_S[1])
 
