@@ -1,23 +1,18 @@
 """The delta codec's host kernel: compare, compact and checksum a bucket in one pass, and apply
 a payload straight into the destination's regions with its checksum (see `delta` for the
-format). C++ built with the host's compiler on first use (cached on disk per source, flags and
-CPU), loaded with ctypes; `why_not()` says why it is not there. The kernel's source (and what
-it does, pass by pass) is `delta_host.cpp` beside this module.
+format). C++ built with the host's compiler on first use (`native`); `why_not()` says why it
+is not there. The kernel's source (and what it does, pass by pass) is `delta_host.cpp` beside
+this module.
 """
 from __future__ import annotations
 
 import ctypes
-import fcntl
-import hashlib
 import importlib.resources
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 import warnings
 from typing import Optional
+
+from . import native
 
 # The kernel's C++ source, shipped beside this module (package data).
 SOURCE = (importlib.resources.files(__package__) / "delta_host.cpp").read_text()
@@ -25,7 +20,6 @@ SOURCE = (importlib.resources.files(__package__) / "delta_host.cpp").read_text()
 _LOCK = threading.Lock()
 _KERNEL = None
 _FAILED: Optional[str] = None
-FLAGS = ("-O3", "-march=native")          # the host's own instruction set (cached per CPU)
 
 
 class HostKernel:
@@ -84,80 +78,10 @@ class HostKernel:
         return None if code else int(res[0])
 
 
-def _cache_dirs() -> list:
-    dirs = []
-    if os.environ.get("RAY_RESHARD_KERNEL_CACHE"):
-        dirs.append(os.environ["RAY_RESHARD_KERNEL_CACHE"])
-    dirs.append(os.path.join(os.environ.get("XDG_CACHE_HOME") or
-                             os.path.join(os.path.expanduser("~"), ".cache"), "ray_reshard"))
-    dirs.append(os.path.join(tempfile.gettempdir(), f"ray_reshard-{os.getuid()}"))
-    return dirs
-
-
-def _cpu_signature() -> str:
-    """What `-march=native` compiles for: the CPU's model and feature flags."""
-    sig = [platform.machine()]
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("model name", "flags", "Features", "CPU part")):
-                    sig.append(line.strip())
-                if len(sig) > 3:
-                    break
-    except OSError:
-        pass
-    return "\n".join(sig)
-
-
-def compiler() -> Optional[str]:
-    """The C++ compiler the kernel is built with ($CXX, else g++ or c++ on PATH)."""
-    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-
-
-def build(flags=FLAGS, source: str = SOURCE) -> HostKernel:
+def build(flags=native.FLAGS, source: str = SOURCE) -> HostKernel:
     """Compile `source` with `flags` (or load it from the cache) and load it; raises on a
     missing compiler or a failed build (its output in the message)."""
-    cxx = compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler (g++ or c++ on PATH, or $CXX)")
-    try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
-                                 timeout=30).stdout.splitlines()[:1]
-    except (OSError, subprocess.SubprocessError) as e:
-        raise RuntimeError(f"{cxx} does not run: {e}") from e
-    key = hashlib.sha256("\0".join([source, " ".join(flags), cxx, *version,
-                                    _cpu_signature()]).encode()).hexdigest()[:20]
-    errors = []
-    for d in _cache_dirs():
-        path = os.path.join(d, f"delta_{key}.so")
-        if not os.path.exists(path):
-            try:
-                os.makedirs(d, exist_ok=True)
-                with open(os.path.join(d, f"delta_{key}.lock"), "w") as lock:
-                    fcntl.flock(lock, fcntl.LOCK_EX)      # one process of the host builds it
-                    if not os.path.exists(path):
-                        _compile(cxx, flags, source, d, path)
-            except OSError as e:
-                errors.append(f"{d}: {e}")
-                continue
-        return HostKernel(ctypes.CDLL(path), path)
-    raise RuntimeError("no writable directory for the compiled kernel: " + "; ".join(errors))
-
-
-def _compile(cxx: str, flags, source: str, d: str, path: str) -> None:
-    fd, src = tempfile.mkstemp(suffix=".cpp", dir=d)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(source)
-        tmp = src[:-4] + ".so"
-        p = subprocess.run([cxx, *flags, "-shared", "-fPIC", "-o", tmp, src],
-                           capture_output=True, text=True, timeout=300)
-        if p.returncode != 0:
-            raise RuntimeError(f"{cxx} {' '.join(flags)} failed: "
-                               f"{(p.stderr or p.stdout)[-2000:]}")
-        os.replace(tmp, path)             # whole or not at all
-    finally:
-        os.unlink(src)
+    return HostKernel(*native.load("delta", source, flags))
 
 
 def kernel() -> Optional[HostKernel]:
@@ -168,12 +92,7 @@ def kernel() -> Optional[HostKernel]:
         with _LOCK:
             if _KERNEL is None and _FAILED is None:
                 try:
-                    try:
-                        _KERNEL = build()
-                    except RuntimeError:
-                        if compiler() is None:
-                            raise
-                        _KERNEL = build(("-O3",))       # a compiler without -march=native
+                    _KERNEL = HostKernel(*native.load_any("delta", SOURCE))
                 except Exception as e:
                     _FAILED = f"{type(e).__name__}: {e}"
                     warnings.warn(f"ray_reshard: the delta codec's host kernel is not available "

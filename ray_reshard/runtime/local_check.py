@@ -2,6 +2,7 @@
 every problem named (nothing written), reused while the tensors keep their memory."""
 from __future__ import annotations
 
+import operator
 from typing import Any, Optional
 
 import torch
@@ -47,16 +48,23 @@ except ImportError:                                   # pragma: no cover - older
 
 
 class StorageSignature:
-    """What the local tensors `names` of a storage dict looked like: their memory (address and
-    storage size) and layout (dtype, device, sizes, strides). A signature that still matches
-    means the shard views cut from them last time are the same memory, so a refit's check costs
-    one match per local tensor (and a copy of the view table)."""
+    """What the local tensors `names` of a storage dict looked like: their memory (addresses)
+    and layout (dtype, device, sizes, strides). A signature that still matches means the shard
+    views cut from them last time are the same memory, so a refit's check costs one match per
+    local tensor (and a copy of the view table).
 
-    __slots__ = ("names", "guards", "layout", "memory")
+    Addresses alone tell memory apart: torch resizes a storage by allocating the new memory
+    before it frees the old (and leaves none behind a storage resized to 0), so a storage that
+    shrank, grew or was freed no longer has the address it had."""
+
+    __slots__ = ("names", "pick", "guards", "layout", "memory")
 
     def __init__(self, storage: dict, names: tuple):
-        tensors = [storage.get(n) for n in names]
         self.names = names
+        # one C call for the lookup; a missing name raises KeyError (a mismatch)
+        self.pick = (operator.itemgetter(*names) if len(names) > 1 else
+                     lambda st: tuple(st[n] for n in names))
+        tensors = [storage.get(n) for n in names]
         self.guards = None
         if TensorGuards is not None and all(isinstance(x, torch.Tensor) for x in tensors):
             try:
@@ -70,25 +78,24 @@ class StorageSignature:
             self.layout, self.memory = described(tensors), None
 
     def matches(self, storage: dict) -> bool:
-        tensors = [storage.get(n) for n in self.names]
-        if self.guards is None:
-            return described(tensors) == self.layout
         try:
+            tensors = self.pick(storage)
+            if self.guards is None:
+                return described(tensors) == self.layout
             # the guards check each is a tensor of the same type, dtype, device, sizes, strides
             return self.guards.check(*tensors) and memory_of(tensors) == self.memory
-        except Exception:                     # not a tensor where one was: look again
+        except Exception:                     # a name gone, or not a tensor: look again
             return False
 
 
-def memory_of(tensors: list) -> tuple:
-    """The tensors' addresses and their storages' sizes."""
-    return (tuple(map(torch.Tensor.data_ptr, tensors)),
-            tuple(map(torch.UntypedStorage.nbytes, map(torch.Tensor.untyped_storage, tensors))))
+def memory_of(tensors) -> tuple:
+    """The tensors' addresses (see `StorageSignature`)."""
+    return tuple(map(torch.Tensor.data_ptr, tensors))
 
 
-def described(tensors: list) -> list:
+def described(tensors) -> list:
     """Everything a signature compares, in Python (where torch's guards are not available)."""
-    return [(x.data_ptr(), x.untyped_storage().nbytes(), x.dtype, x.device, x.shape, x.stride())
+    return [(x.data_ptr(), x.dtype, x.device, x.shape, x.stride())
             if isinstance(x, torch.Tensor) else type(x) for x in tensors]
 
 

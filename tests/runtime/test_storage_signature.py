@@ -57,3 +57,12 @@ def test_every_change_in_place_is_seen(guards, change):
     sig = StorageSignature(st, ("a", "b", "buf"))
     CHANGES[change](st)
     assert not sig.matches(st), change
+
+
+def test_a_signature_of_one_tensor(guards):
+    st = storage()
+    sig = StorageSignature(st, ("a",))
+    assert sig.matches(st)
+    rebind(st["a"], torch.zeros(4, 8))
+    assert not sig.matches(st)
+    assert not sig.matches({})
