@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import importlib.resources
 import threading
+import warnings
 from collections import deque
 from itertools import starmap
 from typing import Optional
@@ -52,6 +53,9 @@ class HostMemmove:
                         self._rows = f
                     except Exception as e:
                         self.why_not = f"{type(e).__name__}: {e}"
+                        warnings.warn(f"ray_reshard: host copy tables run one ctypes.memmove "
+                                      f"call per region ({self.why_not}); small items cost "
+                                      f"more", RuntimeWarning, stacklevel=2)
         return self._rows
 
     def upload(self, tables: list, device: torch.device) -> None:
