@@ -33,13 +33,16 @@ def test_every_example_is_tested():
     assert sorted(p.name for p in (ROOT / "examples").glob("*.py")) == sorted(CASES)
 
 
+# Five examples side by side on two cores: 130 s on a quiet host, 285 s on a loaded one. The
+# bound is for a hang, not a speed goal.
+@pytest.mark.timeout(600)
 def test_examples_run(cluster):
     env = dict(os.environ, RAY_DEDUP_LOGS="0")
     procs = {name: subprocess.Popen([sys.executable, str(ROOT / "examples" / name), *args,
                                      "--address", cluster.address], cwd=ROOT, env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for name, (args, _) in CASES.items()}
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 540
     failures = []
     for name, proc in procs.items():
         try:
