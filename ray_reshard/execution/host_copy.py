@@ -59,41 +59,32 @@ class HostMemmove:
         return self._rows
 
     def upload(self, tables: list, device: torch.device) -> None:
-        compiled = self.kernel() is not None
         for t in tables:
             reg = t.regions
             if len(reg) and (reg[:, 3:6] != 1).any():
                 raise ValueError("a memmove table holds one row per region: a strided region "
                                  "was put on it")
-            a, b = reg[:, 0].copy(), reg[:, 1].copy()
-            nbytes = reg[:, 2] * reg[:, 12]
-            if not compiled:
-                a, b, nbytes = a.tolist(), b.tolist(), nbytes.tolist()
-            t.device_data = (a, b, np.ascontiguousarray(nbytes) if compiled else nbytes, {})
+            t.device_data = (reg[:, 0].copy(), reg[:, 1].copy(), reg[:, 2] * reg[:, 12], {})
 
     def copy(self, table: Table, wire: Optional[torch.Tensor], to_wire: bool) -> None:
         """Side A to side B when `to_wire`, else B to A (see `regions.HostCopy.copy`)."""
         a, b, nbytes, kept = table.device_data
         base = wire_base(table, wire)
-        calls = kept.get((base, to_wire))
-        if calls is None:
+        run = kept.get((base, to_wire))
+        if run is None:
             if len(kept) >= _CALLS_KEPT:
                 kept.pop(next(iter(kept)))
-            calls = kept[(base, to_wire)] = self._calls(a, b, nbytes, base, to_wire)
-        if isinstance(calls, tuple):
-            self._rows(*calls[0])
-        else:
-            deque(starmap(ctypes.memmove, calls), 0)
+            at = b + base
+            run = kept[(base, to_wire)] = self._pass(*((at, a) if to_wire else (a, at)), nbytes)
+        run()
 
-    def _calls(self, a, b, nbytes, base: int, to_wire: bool):
-        if isinstance(a, np.ndarray):
-            at = b + base if base else b
-            dst, src = (at, a) if to_wire else (a, at)
-            # the arrays stay referenced beside the addresses the call is given
-            return ((len(a), dst.ctypes.data, src.ctypes.data, nbytes.ctypes.data),
-                    (dst, src, nbytes))
-        at = [base + x for x in b] if base else b
-        return list(zip(at, a, nbytes) if to_wire else zip(a, at, nbytes))
+    def _pass(self, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray):
+        """One pass copying nbytes[i] bytes from src[i] to dst[i], as a call without arguments."""
+        rows = self.kernel()
+        if rows is not None:
+            return lambda: rows(len(dst), dst.ctypes.data, src.ctypes.data, nbytes.ctypes.data)
+        calls = list(zip(dst.tolist(), src.tolist(), nbytes.tolist()))
+        return lambda: deque(starmap(ctypes.memmove, calls), 0)
 
 
 _ENGINE = HostMemmove()
