@@ -58,6 +58,11 @@ class HostMemmove:
                                       f"more", RuntimeWarning, stacklevel=2)
         return self._rows
 
+    @property
+    def loaded(self) -> bool:
+        """Whether the compiled pass is loaded in this process (built or found in the cache)."""
+        return self._rows is not None
+
     def upload(self, tables: list, device: torch.device) -> None:
         for t in tables:
             reg = t.regions

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from .._gc import gc_paused
+from ..execution import host_copy
 from ..planning.plan import Plan
 from . import strategies
 from .local_check import check_tensors, local_tensors
@@ -44,6 +45,10 @@ def setup(actor, group_id: str, group_name: str, world: int, pid: int, backend: 
     GROUPS[group_id] = ProcessGroup(group_id, group_name, pid, eps, dict(ep_pid),
                                      torch.device(device), tensors_fn, bucket_bytes, pg,
                                      version=version, window=window)
+    if torch.device(device).type == "cpu":
+        # Build (or load the host's cached build of) the host copy kernel now, so a first
+        # refit's deadline never pays for a compiler run.
+        host_copy.engine().kernel()
     return {"proc": pid, "store": pg.store_address}
 
 

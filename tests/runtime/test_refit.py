@@ -350,3 +350,17 @@ def test_window_bounds_staging(actors, window):
     for bad in (0, 17, 2.0, True):
         with pytest.raises(ValueError, match="window must be an int in 1..16"):
             rr.ReshardGroup(src, dst, window=bad)
+
+
+def test_host_copy_kernel_is_built_when_the_group_forms(cluster):
+    """Fresh processes load the compiled host copy pass when they join a group, before any
+    refit (a first refit's deadline never pays for a compiler run)."""
+    from ray_reshard.execution import host_copy
+
+    fresh = holders(1, 0) + holders(1, 1)
+    loaded = lambda actor: host_copy.engine().loaded
+    assert ray.get([a.__ray_call__.remote(loaded) for a in fresh]) == [False, False]
+    with rr.ReshardGroup(fresh[:1], fresh[1:]):
+        assert ray.get([a.__ray_call__.remote(loaded) for a in fresh]) == [True, True]
+    for a in fresh:
+        ray.kill(a)
