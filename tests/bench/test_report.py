@@ -172,7 +172,7 @@ def test_report_small_writes_the_page(tmp_path):
                         str(tmp_path / "raw")], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     m = re.search(r"(\d+) of (\d+) figures inside the page's 95% prediction", p.stdout)
-    assert m and int(m[1]) == int(m[2]) == 4, p.stdout[-3000:] + p.stderr[-3000:]
+    assert m and int(m[1]) == int(m[2]) == 6, p.stdout[-3000:] + p.stderr[-3000:]
     assert p.returncode == 0
     assert again.read_text() == page          # nothing written to the page
 
@@ -202,7 +202,8 @@ def test_check_compares_a_fresh_run_with_the_pages_prediction():
 
     page = _kept("peers")
     figures = report.stated_figures("peers", page)
-    assert len(figures) == 2 * len(page["json"]["counts"])      # two goals per count
+    # two goals per count, the fair pair's three and the rise from 1024 to 4096 tensors
+    assert len(figures) == 2 * len(page["json"]["counts"]) + 4
     for f in figures:
         lo, hi = f["predicted"]
         assert lo <= f["low"] <= f["median"] <= f["high"] <= hi   # wider than the range

@@ -20,6 +20,13 @@ from .peers_shaped import SHAPED_BUCKET_MB, SHAPED_LAYOUTS, shaped_main
 
 GOAL_OBJECT_STORE = 2.0       # reshard at least this many times faster than the object store
 GOAL_RAW_SHARE = 0.85         # reshard at least this share of raw point-to-point
+# The fair pair (see peers_case.FAIR), by tensor count: reshard TP4 -> TP4 against raw
+# point-to-point (the same pairs and bytes), and reshard against raw plus the forward.
+GOAL_FAIR_TP4_SHARE = {"32": 0.95}
+GOAL_FAIR_FORWARD_SHARE = {"32": 0.9, "1024": 0.85}
+# What reshard's time may grow from 1,024 to 4,096 tensors of the same bytes: about 1 us per
+# local tensor per process (3,072 more tensors on each of 8 processes sharing 2 cores).
+GOAL_RISE_MS = 20
 
 
 def measure(mb: int, counts: list, repeats: int, bucket_mb: int = 16,
@@ -133,6 +140,27 @@ def render_row(row: dict) -> str:
     return "\n".join(lines)
 
 
+def extra_table(out: dict) -> tuple[list, list]:
+    """(head, rows) of the peers beside the main ones (`peers_case.EXTRA`) with the fair pair's
+    ratios, one row per tensor count; no rows when none of them ran."""
+    extra = [n for n in EXTRA if any(n in row["peers"] for row in out["counts"].values())]
+    if not extra:
+        return [], []
+    rows = []
+    for count, row in out["counts"].items():
+        cells = [f"{count} x {row['shape'][0]}x{row['shape'][1]}"]
+        for name in extra:
+            p = row["peers"].get(name)
+            cells.append("not run" if p is None else
+                         f"{p['median']:.3f} [{p['low']:.3f}-{p['high']:.3f}]")
+        rat = ratio_spreads(row)
+        cells += [ratio_text(rat[k]) if k in rat else "not run"
+                  for k in ("TP4 share of raw", "share of raw + forward")]
+        rows.append(cells)
+    return (["tensors"] + extra + ["reshard TP4 -> TP4's share of raw point-to-point",
+                                   "reshard's share of raw point-to-point + the forward"], rows)
+
+
 def ratio_text(s: Spread, unit: str = "") -> str:
     """A ratio's median, and its range over the runs when there were several."""
     text = f"{s.median:.2f}{unit}"
@@ -151,7 +179,33 @@ def goals(out: dict) -> list:
                 ("raw share", GOAL_RAW_SHARE,
                  f"reshard >= {GOAL_RAW_SHARE:g} of raw point-to-point, {count} tensors")):
             rows.append({"goal": text, **spreads[key].judged(lambda v, g=goal: v >= g)})
+        for key, goals_by_count, text in (
+                ("TP4 share of raw", GOAL_FAIR_TP4_SHARE,
+                 "reshard TP4 -> TP4 >= {g:g} of raw point-to-point, {c} tensors"),
+                ("share of raw + forward", GOAL_FAIR_FORWARD_SHARE,
+                 "reshard >= {g:g} of raw point-to-point + the forward, {c} tensors")):
+            goal = goals_by_count.get(count)
+            if goal is not None and key in spreads:
+                rows.append({"goal": text.format(g=goal, c=count),
+                             **spreads[key].judged(lambda v, g=goal: v >= g)})
+    rise = reshard_rise(out, "1024", "4096")
+    if rise is not None:
+        rows.append({"goal": f"reshard's rise from 1024 to 4096 tensors <= {GOAL_RISE_MS} ms "
+                             f"(in ms)", **rise.judged(lambda v: v <= GOAL_RISE_MS)})
     return rows
+
+
+def reshard_rise(out: dict, fewer: str, more: str):
+    """Reshard's time at `more` tensors less its time at `fewer` (the same bytes), in ms: a
+    Spread over the runs (of each run's medians), or None when either count was not run."""
+    counts = out["counts"]
+    if fewer not in counts or more not in counts:
+        return None
+    a, b = counts[fewer], counts[more]
+    if "by_run" in a:
+        return Spread([1e3 * (y["peers"]["reshard"]["median"] - x["peers"]["reshard"]["median"])
+                       for x, y in zip(a["by_run"], b["by_run"])])
+    return Spread([1e3 * (b["peers"]["reshard"]["median"] - a["peers"]["reshard"]["median"])])
 
 
 def goal_text(g: dict) -> str:

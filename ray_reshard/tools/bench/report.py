@@ -179,7 +179,7 @@ def _goal_rows(goals: list) -> list:
 
 
 def render_peers(r: dict) -> list:
-    from .peers import PEERS, goals, ratio_spreads, ratio_text
+    from .peers import PEERS, extra_table, goals, ratio_spreads, ratio_text
 
     o = r["json"]
     runs = o.get("runs", 1)
@@ -213,6 +213,14 @@ def render_peers(r: dict) -> list:
         cells += [ratio_text(rat["object store"], "x"), ratio_text(rat["raw share"])]
         rows.append(cells)
     lines += _table(head, rows)
+    head, rows = extra_table(o)
+    if rows:
+        lines += ["", "In the same turns: Ray Direct Transport sending one flat tensor per "
+                      "source instead of a list of tensors, and the fair pair of raw "
+                      "point-to-point: reshard between the raw sends' own pairs (TP4 -> TP4, "
+                      "the same bytes, no forward), and the forward reshard adds (a refit of "
+                      "the first destination replica into the second, inside node 1).", ""]
+        lines += _table(head, rows)
     lines += ["", "Goals (medians" + (" over the runs" if runs > 1 else "") + "):", ""]
     lines += _table(["goal", "measured", "", PREDICTION], _goal_rows(goals(o)))
     return lines
