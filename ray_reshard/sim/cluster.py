@@ -17,28 +17,32 @@ GB = 1e9
 
 # Executor CPU time per item (one box of one tensor packed, unpacked or sent in place) and per
 # local tensor per process (fitted: everything in a refit that grows with the local tensors;
-# the check of each before the rounds is about 0.6 us of it), measured on the development
-# machine by `python -m ray_reshard.tools.bench.sim_calibrate` (2-core CPU box, every tensor its own
-# local tensor; host-side Python costs, which a GPU host pays too, on faster cores).
-MEASURED_ITEM_S = 0.6e-6
-MEASURED_TENSOR_S = 2.3e-6
-# A steady-state refit's check per shard: a copy of the view table (0.005-0.012 us per shard
-# on the busiest Qwen3-235B and DeepSeek-V3 ranks, `bench-replay`'s check table; its signature
-# per local tensor there, 0.5 us, is below MEASURED_TENSOR_S, which the GPU presets keep).
+# the check of each before the rounds is about 0.15 us of it, `bench-replay`'s check table),
+# measured on the development
+# machine by `python -m ray_reshard.tools.bench.sim_calibrate` (2-core CPU box, every tensor
+# its own local tensor; host-side Python costs, which a GPU host pays too, on faster cores):
+# the medians over the three runs of the benchmark page's calibration (2026-12-07, f5ab3e9).
+MEASURED_ITEM_S = 0.745e-6
+MEASURED_TENSOR_S = 1.80e-6
+# A steady-state refit's check per shard: a copy of the view table (0.005-0.008 us per shard
+# on the busiest DeepSeek-V3 ranks, `bench-replay`'s check table on the benchmark page; its
+# signature per local tensor there, 0.15 us, is below MEASURED_TENSOR_S, which the GPU
+# presets keep).
 MEASURED_SHARD_S = 0.01e-6
 # The executor's CPU time per item at real-model scale: the busiest DeepSeek-V3 ranks' compiled
-# programs (about 50k items each) replayed by `python -m ray_reshard bench-replay` (2.3 us per
-# item on the busiest destination, 3.3 us on the busiest source, copying the scaled-down bytes
-# on the CPU included): what the GPU presets charge per item copied one by one (gather-
-# broadcast's tensors, and reshard buckets with `copy_tables` off).
-REPLAY_ITEM_S = 3.1e-6
+# programs (about 50k items each) replayed by `python -m ray_reshard bench-replay` on the
+# benchmark page (2026-12-07, f5ab3e9: 1.77 us per item on the busiest destination, 3.24 us on
+# the busiest source, copying the scaled-down bytes on the CPU included; their mean): what the
+# GPU presets charge per item copied one by one (gather-broadcast's tensors, and reshard
+# buckets with `copy_tables` off).
+REPLAY_ITEM_S = 2.5e-6
 # On a GPU a reshard bucket end's regions are copied by one copy-table launch (see
 # execution/cuda_copy.py), whatever their count: per bucket end, the executor's own time per
-# step without its copies (4.7 us on the busiest DeepSeek-V3 destination, `bench-replay
-# --scale 32`, column "steps w/o copies") plus that launch. LAUNCH_S is an estimate (cupy's Python launch
+# step without its copies (5.9 us on the busiest DeepSeek-V3 destination, `bench-replay` on the
+# benchmark page, column "steps w/o copies") plus that launch. LAUNCH_S is an estimate (cupy's Python launch
 # path, a device switch and the stream lookup), not a measurement: `release_tests/gpu_smoke.py`
 # measures it on a GPU host (step `copy_tables`).
-MEASURED_STEP_S = 4.7e-6
+MEASURED_STEP_S = 5.9e-6
 LAUNCH_S = 20e-6
 # A delta refit's codec (execution/delta.py), in bucket bytes per second at each end: the
 # sender's compare against its baseline and encoding, the receiver's decoding and checksum.
@@ -173,11 +177,13 @@ PRESETS = {
     # `python -m ray_reshard.tools.bench.sim_calibrate --json FILE` and copy FILE's "constants"
     # (each fitted constant by its field name, the median over the three runs) and "settings"
     # (here: single-copy rings, items of 128 KiB and more as their own messages); the delta_*
-    # rates come from bench-delta (see MEASURED_DELTA_ENCODE_BPS).
-    "local": Cluster("local", 4, 10.31 * GB, 1.4 * GB, latency_s=249e-6, ring_latency_s=422e-6,
-                     item_s=1.6e-6, tensor_s=1.6e-6, message_s=28.5e-6, fabric_Bps=2.65 * GB,
-                     domain_fabric_Bps=10.31 * GB, refit_overhead_s=13.6e-3, copy_Bps=7.5 * GB,
-                     contig_copy_Bps=12.5 * GB, cpu_cores=2, broadcast="flat",
+    # rates come from bench-delta (see MEASURED_DELTA_ENCODE_BPS). These are the benchmark
+    # page's calibration run (2026-12-07, commit f5ab3e9), rounded.
+    "local": Cluster("local", 4, 14.07 * GB, 1.485 * GB, latency_s=383e-6,
+                     ring_latency_s=352e-6, item_s=MEASURED_ITEM_S, tensor_s=MEASURED_TENSOR_S,
+                     message_s=26.8e-6, fabric_Bps=2.58 * GB, domain_fabric_Bps=14.07 * GB,
+                     refit_overhead_s=12.0e-3, copy_Bps=6.8 * GB, contig_copy_Bps=14.4 * GB,
+                     cpu_cores=2, broadcast="flat",
                      per_item_min_bytes=PER_ITEM_MIN_BYTES, single_copy_rings=True,
                      delta_encode_Bps=MEASURED_DELTA_ENCODE_BPS,
                      delta_decode_Bps=MEASURED_DELTA_DECODE_BPS),
@@ -227,10 +233,10 @@ _GPU_COMMON = {
     "item_s": (MEASURED_CPU, "bench-replay: busiest DeepSeek-V3 ranks' items (charged only "
                              "where regions are copied one by one)"),
     "tensor_s": (MEASURED_CPU, "sim_calibrate's fit: all a refit's per-process time that "
-                               "grows with its local tensors (their check, about 0.6 us of "
+                               "grows with its local tensors (their check, about 0.15 us of "
                                "it, and the rest)"),
     "shard_s": (MEASURED_CPU, "bench-replay's check table: the view table per shard"),
-    "step_s": (ASSUMED, "4.7 us executor step per bucket end (bench-replay, measured here on "
+    "step_s": (ASSUMED, "5.9 us executor step per bucket end (bench-replay, measured here on "
                         "CPU) + 20 us copy-table launch (assumed)"),
     "refit_overhead_s": (ASSUMED, "5 ms for the driver's call of every process"),
     "copy_Bps": (ASSUMED, "1000 GB/s staging copies of strided regions (HBM)"),
