@@ -12,6 +12,7 @@ and inference use different GPUs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -47,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="training layout, e.g. megatron:pp=16,ep=16")
     ap.add_argument("--infer", required=True, type=infer_arg,
                     help="inference layout, e.g. vllm:tp=32,dp=8")
+    ap.add_argument("--hf-experts", choices=("split", "fused"), default="split",
+                    help="HF naming of experts where the trainer keeps HF names (FSDP): split "
+                         "(checkpoints) or fused (transformers >= 5); as in `plan`")
     ap.add_argument("--cluster", default="dgx-h100", help=f"preset: {', '.join(PRESETS)}")
     ap.add_argument("--dtype", type=dtype_arg, default="bfloat16",
                     help=f"inference dtype: {', '.join(DTYPES)} (fp8: block FP8, 128 x 128 "
@@ -136,6 +140,8 @@ def run(args, variants: Optional[dict] = None) -> dict:
         timeline = (side, int(r))
     title, config = args.model
     train = even_out_stages(args.train, config.get("num_hidden_layers", 0))
+    if getattr(train, "hf_experts", None) == "auto":   # as `plan`: never the installed library's
+        train = dataclasses.replace(train, hf_experts=args.hf_experts)
     infer, dtype = quantized(args.infer, args.dtype)
     if timeline and timeline[1] >= (train.world if timeline[0] == "src" else infer.world):
         raise ValueError(f"--timeline: {args.timeline} is beyond that side's ranks")
@@ -146,7 +152,7 @@ def run(args, variants: Optional[dict] = None) -> dict:
         ("delta_encode_Bps", args.delta_encode_gbps), ("delta_decode_Bps", args.delta_decode_gbps))
         if v is not None)
     t0 = time.perf_counter()
-    specs = recipe_specs(config, train, infer, dtype)
+    specs = recipe_specs(config, train, infer, dtype, args.hf_experts)
     g = cl.gpus_per_domain
     p = make_plan(specs, [("train", r // g) for r in range(train.world)],
                   [("infer", r // g) for r in range(infer.world)])

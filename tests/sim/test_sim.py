@@ -457,3 +457,24 @@ def test_fewer_ring_slots_never_help():
     cl = preset("gb200-nvl72").with_(gpus_per_domain=16)
     t = [simulate(p, cl.with_(ring_slots=k), 1 << 20, "exact").predicted_s for k in (1, 2, 0)]
     assert t[0] >= t[1] * (1 - 1e-9) and t[1] >= t[2] * (1 - 1e-9)
+
+
+def test_simulate_names_an_fsdp_trainers_experts_as_plan_does(monkeypatch):
+    """`simulate --train fsdp:...` takes `--hf-experts` (default split, as `plan`), whatever
+    transformers is installed: the prediction never depends on the library's version."""
+    import ray_reshard.engines.fsdp.layout as fsdp_layout
+    from ray_reshard.tools.simulate import build_parser, run
+
+    def tensors(*extra):
+        args = build_parser().parse_args(["--model", "small-moe", "--train", "fsdp:shard=2",
+                                          "--infer", "vllm:tp=2", "--gpus-per-domain", "2",
+                                          *extra])
+        return run(args)["tensors"]
+
+    split, fused = tensors(), tensors("--hf-experts", "fused")
+    assert split > fused                  # one tensor per expert and projection when split
+    assert tensors("--hf-experts", "split") == split
+    # "auto" would follow the installed transformers: make it say "fused"; nothing changes
+    monkeypatch.setattr(fsdp_layout, "resolve_hf_experts",
+                        lambda h: "fused" if h == "auto" else h)
+    assert tensors() == split

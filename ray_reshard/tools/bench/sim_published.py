@@ -86,7 +86,8 @@ ROWS = [
               "(description, 'End-to-end validation')", "2026-05 (reviewed 2026-05-22)",
               "seconds per weight sync, 8-rank FSDP2 trainer -> vLLM DP8 + EP8, 2 nodes of 8 H100",
               "qwen3-235b", "fsdp:shard=8", "vllm:tp=1,dp=8,ep=8", "dgx-h100", "3.2-3.3 s", "",
-              "trainers and engine one node each"),
+              "trainers and engine one node each; the trainer's experts one tensor each (HF "
+              "checkpoint names, --hf-experts split)"),
     Published(DOC + ", H100", DOC_SRC, "2026-08-19", DOC_WHAT, "deepseek-v3",
               "megatron:pp=16,ep=16", "vllm:tp=32,dp=8", "dgx-h100", "2.39-2.83 s", "",
               "DP filled in from the GPU count"),
