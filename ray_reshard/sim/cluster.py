@@ -18,10 +18,10 @@ GB = 1e9
 # Executor CPU time per item (one box of one tensor packed, unpacked or sent in place) and per
 # local tensor per process (fitted: everything in a refit that grows with the local tensors;
 # the check of each before the rounds is about 0.15 us of it, `bench-replay`'s check table),
-# measured on the development
-# machine by `python -m ray_reshard.tools.bench.sim_calibrate` (2-core CPU box, every tensor
-# its own local tensor; host-side Python costs, which a GPU host pays too, on faster cores):
-# the medians over the three runs of the benchmark page's calibration (2026-12-07, f5ab3e9).
+# measured on the development machine by `python -m ray_reshard.tools.bench.sim_calibrate`
+# (2-core CPU box, every tensor its own local tensor; host-side Python costs, which a GPU host
+# pays too, on faster cores): the medians over the three runs of the benchmark page's
+# calibration (2026-12-07, f5ab3e9).
 MEASURED_ITEM_S = 0.745e-6
 MEASURED_TENSOR_S = 1.80e-6
 # A steady-state refit's check per shard: a copy of the view table (0.005-0.008 us per shard
