@@ -140,25 +140,31 @@ def render_row(row: dict) -> str:
     return "\n".join(lines)
 
 
-def extra_table(out: dict) -> tuple[list, list]:
-    """(head, rows) of the peers beside the main ones (`peers_case.EXTRA`) with the fair pair's
-    ratios, one row per tensor count; no rows when none of them ran."""
-    extra = [n for n in EXTRA if any(n in row["peers"] for row in out["counts"].values())]
-    if not extra:
-        return [], []
+def peer_table(out: dict, names, ratios) -> tuple[list, list]:
+    """(head, rows) with one row per tensor count: each peer of `names`' median [range], then
+    each ratio of `ratios` ((key of `ratios()`, unit, heading)); "not run" where one is missing."""
     rows = []
     for count, row in out["counts"].items():
         cells = [f"{count} x {row['shape'][0]}x{row['shape'][1]}"]
-        for name in extra:
+        for name in names:
             p = row["peers"].get(name)
             cells.append("not run" if p is None else
                          f"{p['median']:.3f} [{p['low']:.3f}-{p['high']:.3f}]")
         rat = ratio_spreads(row)
-        cells += [ratio_text(rat[k]) if k in rat else "not run"
-                  for k in ("TP4 share of raw", "share of raw + forward")]
+        cells += [ratio_text(rat[k], unit) if k in rat else "not run" for k, unit, _ in ratios]
         rows.append(cells)
-    return (["tensors"] + extra + ["reshard TP4 -> TP4's share of raw point-to-point",
-                                   "reshard's share of raw point-to-point + the forward"], rows)
+    return ["tensors"] + list(names) + [heading for _, _, heading in ratios], rows
+
+
+def extra_table(out: dict) -> tuple[list, list]:
+    """`peer_table` of the peers beside the main ones (`peers_case.EXTRA`) with the fair pair's
+    ratios; no rows when none of them ran."""
+    extra = [n for n in EXTRA if any(n in row["peers"] for row in out["counts"].values())]
+    if not extra:
+        return [], []
+    return peer_table(out, extra, (
+        ("TP4 share of raw", "", "reshard TP4 -> TP4's share of raw point-to-point"),
+        ("share of raw + forward", "", "reshard's share of raw point-to-point + the forward")))
 
 
 def ratio_text(s: Spread, unit: str = "") -> str:

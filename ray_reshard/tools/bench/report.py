@@ -179,7 +179,7 @@ def _goal_rows(goals: list) -> list:
 
 
 def render_peers(r: dict) -> list:
-    from .peers import PEERS, extra_table, goals, ratio_spreads, ratio_text
+    from .peers import PEERS, extra_table, goals, peer_table
 
     o = r["json"]
     runs = o.get("runs", 1)
@@ -200,18 +200,9 @@ def render_peers(r: dict) -> list:
              f"counters read before and after every case (nothing spilled, or the run fails); "
              f"seconds from the driver's call to every destination holding the weights, {how}. "
              f"Ray Direct Transport: {o['rdt']}.", ""]
-    head = ["tensors"] + list(PEERS) + ["reshard vs object store",
-                                        "reshard's share of raw point-to-point"]
-    rows = []
-    for count, row in o["counts"].items():
-        cells = [f"{count} x {row['shape'][0]}x{row['shape'][1]}"]
-        for name in PEERS:
-            p = row["peers"].get(name)
-            cells.append("not run" if p is None else
-                         f"{p['median']:.3f} [{p['low']:.3f}-{p['high']:.3f}]")
-        rat = ratio_spreads(row)
-        cells += [ratio_text(rat["object store"], "x"), ratio_text(rat["raw share"])]
-        rows.append(cells)
+    head, rows = peer_table(o, PEERS, (
+        ("object store", "x", "reshard vs object store"),
+        ("raw share", "", "reshard's share of raw point-to-point")))
     lines += _table(head, rows)
     head, rows = extra_table(o)
     if rows:
