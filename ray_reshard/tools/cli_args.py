@@ -278,8 +278,21 @@ def add_refit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", type=dtype_arg, default="bfloat16",
                    help="inference dtype: bf16, fp16, fp32 or fp8 (block FP8, 128 x 128 "
                         "scales; default bf16)")
+    add_hf_experts_arg(p)
+
+
+def add_hf_experts_arg(p: argparse.ArgumentParser) -> None:
+    """--hf-experts: how a trainer on HF names (FSDP) names its experts (default split)."""
     p.add_argument("--hf-experts", choices=("split", "fused"), default="split",
                    help="HF naming of experts: split (checkpoints) or fused (transformers >= 5)")
+
+
+def with_hf_experts(train, hf_experts: str):
+    """`train` naming its experts as `hf_experts` says where it leaves that to the installed
+    transformers ("auto"): a plan or prediction never depends on the library's version."""
+    if getattr(train, "hf_experts", None) == "auto":
+        return dataclasses.replace(train, hf_experts=hf_experts)
+    return train
 
 
 @dataclass
@@ -314,8 +327,7 @@ def build_refit(args: argparse.Namespace, parser: Optional[argparse.ArgumentPars
     ep not dividing the experts) goes to `parser.error` (one line, status 2) when given."""
     title, config = args.model
     train = even_out_stages(args.train, config.get("num_hidden_layers", 0))
-    if getattr(train, "hf_experts", None) == "auto":     # a trainer on HF names: --hf-experts
-        train = dataclasses.replace(train, hf_experts=args.hf_experts)
+    train = with_hf_experts(train, args.hf_experts)
     try:
         infer, dtype = quantized(args.infer, args.dtype)
         specs = recipe_specs(config, train, infer, dtype, args.hf_experts)

@@ -12,14 +12,14 @@ and inference use different GPUs.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
 from typing import Optional
 
-from .cli_args import (DTYPES, MODELS, describe, dtype_arg, even_out_stages, fraction_arg,
-                        infer_arg, model_arg, quantized, say, train_arg)
+from .cli_args import (DTYPES, MODELS, add_hf_experts_arg, describe, dtype_arg,
+                        even_out_stages, fraction_arg, infer_arg, model_arg, quantized, say,
+                        train_arg, with_hf_experts)
 from ..planning.plan import DEFAULT_BUCKET_BYTES
 from ..sim.bound import check_plan, layout_bound
 from ..sim.cluster import GB, NOT_MODELLED, PRESETS, constants, preset, uncertain
@@ -48,9 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="training layout, e.g. megatron:pp=16,ep=16")
     ap.add_argument("--infer", required=True, type=infer_arg,
                     help="inference layout, e.g. vllm:tp=32,dp=8")
-    ap.add_argument("--hf-experts", choices=("split", "fused"), default="split",
-                    help="HF naming of experts where the trainer keeps HF names (FSDP): split "
-                         "(checkpoints) or fused (transformers >= 5); as in `plan`")
+    add_hf_experts_arg(ap)
     ap.add_argument("--cluster", default="dgx-h100", help=f"preset: {', '.join(PRESETS)}")
     ap.add_argument("--dtype", type=dtype_arg, default="bfloat16",
                     help=f"inference dtype: {', '.join(DTYPES)} (fp8: block FP8, 128 x 128 "
@@ -140,8 +138,7 @@ def run(args, variants: Optional[dict] = None) -> dict:
         timeline = (side, int(r))
     title, config = args.model
     train = even_out_stages(args.train, config.get("num_hidden_layers", 0))
-    if getattr(train, "hf_experts", None) == "auto":   # as `plan`: never the installed library's
-        train = dataclasses.replace(train, hf_experts=args.hf_experts)
+    train = with_hf_experts(train, args.hf_experts)
     infer, dtype = quantized(args.infer, args.dtype)
     if timeline and timeline[1] >= (train.world if timeline[0] == "src" else infer.world):
         raise ValueError(f"--timeline: {args.timeline} is beyond that side's ranks")
