@@ -101,6 +101,11 @@ def kernel() -> Optional[HostKernel]:
     return _KERNEL
 
 
+def loaded() -> bool:
+    """Whether this process holds the built kernel already (builds nothing)."""
+    return _KERNEL is not None
+
+
 def why_not() -> Optional[str]:
     """Why the host kernel is not available here (None: it is)."""
     kernel()

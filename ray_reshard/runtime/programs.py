@@ -23,7 +23,7 @@ DEFAULT_MAX_PROGRAMS = 8
 
 class ProgramCache:
     """The part of a ReshardGroup that keeps its programs (a mix-in of ReshardGroup). It owns
-    `_plans`, `_installed`, `_program_bytes`, `_ring_users` and `_rings`, which
+    `_plans`, `_installed`, `_program_bytes`, `_ring_users`, `_rings` and `_delta_ready`, which
     `_reset_programs` empties for each new membership."""
 
     def _reset_programs(self) -> None:
@@ -33,6 +33,7 @@ class ProgramCache:
         self._program_bytes: dict = {}  # program id -> its memory over all processes (measured)
         self._ring_users: dict = {}     # ring pair -> program ids whose schedule uses it
         self._rings: dict = {}          # (sender pid, receiver pid) -> (ring name, slot bytes)
+        self._delta_ready = False       # every process built its delta codec (prepare_delta)
 
     def plan(self, specs: Mapping[str, TensorSpec]) -> Plan:
         """The plan for `specs` on this group's topology (computed once per spec set)."""

@@ -74,6 +74,12 @@ class RefitProtocol:
         if delta is not None and not self._strategy.delta:
             raise ValueError(f"delta refits need the reshard strategy (this group uses "
                              f"{self.strategy!r}, which sends whole tensors)")
+        if delta is not None and not self._delta_ready:
+            # A compiler run (the delta codec's first build on a host) is setup, not refit:
+            # under the setup timeout, once per membership, before this refit's deadline.
+            self._collect([a.__ray_call__.remote(worker.prepare_delta, self.group_id)
+                           for a in self._procs], self.setup_timeout_s, "delta codec")
+            self._delta_ready = True
         # One deadline for the whole refit: sizing and planning a new spec set, installing its
         # programs, checking local tensors, and running. A dead or stuck rank fails it in
         # time, named. Without a timeout it follows the payload: the plan's, once known.

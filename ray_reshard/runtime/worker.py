@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from .._gc import gc_paused
-from ..execution import host_copy
+from ..execution import codecs, host_copy
 from ..planning.plan import Plan
 from . import strategies
 from .local_check import check_tensors, local_tensors
@@ -50,6 +50,13 @@ def setup(actor, group_id: str, group_name: str, world: int, pid: int, backend: 
         # refit's deadline never pays for a compiler run.
         host_copy.engine().kernel()
     return {"proc": pid, "store": pg.store_address}
+
+
+def prepare_delta(actor, group_id: str) -> None:
+    """Build (or load the host's cached build of) the delta codec for this process's device:
+    the driver asks before a membership's first delta refit, so its deadline never pays for a
+    compiler run."""
+    codecs.codec_for(group_state(group_id).device)
 
 
 def attach_rings(actor, group_id: str, out: dict, inn: dict, gpu: bool = False) -> None:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import ray_reshard as rr
 from ray_reshard.errors import RefitError
+from ray_reshard.execution import delta_host
 from ray_reshard.layout.placement import Replicate, Shard
 from ray_reshard.tools.testing import Holder
 
@@ -501,3 +502,36 @@ def test_deltas_for_some_names_only(actors):
             g.refit(specs, delta="w0")
         assert g.refit(specs, delta=[]).delta is None          # nothing named: dense
         expected(d1, specs, fulls)
+
+
+def test_first_delta_refit_does_not_pay_for_the_codec_build(cluster, tmp_path):
+    """Fresh processes on a host whose delta codec is not built yet, with a slow compiler:
+    the first delta refit builds it under the group's setup timeout, before its own deadline
+    starts, so a short `timeout_s` still holds; later delta refits build nothing."""
+    cxx = tmp_path / "slow-cxx"
+    cxx.write_text('#!/bin/sh\n[ "$1" = --version ] || sleep 3\nexec g++ "$@"\n')
+    cxx.chmod(0o755)
+    env = {"env_vars": {"CXX": str(cxx), "RAY_RESHARD_KERNEL_CACHE": str(tmp_path / "cache")}}
+    src = [Holder.options(resources={"node0": 1}, runtime_env=env).remote() for _ in range(4)]
+    dst = [Holder.options(resources={"node1": 1}, runtime_env=env).remote() for _ in range(4)]
+    specs, fulls = simple_specs()
+    load_sources(src, specs, fulls)
+    blank_destinations(dst, specs)
+    built = lambda actor: delta_host.loaded()
+    try:
+        with rr.ReshardGroup(src, dst) as g:
+            assert not any(ray.get([a.__ray_call__.remote(built) for a in src + dst]))
+            g.refit(specs, timeout_s=2.0)            # a dense refit builds no codec
+            assert not any(ray.get([a.__ray_call__.remote(built) for a in src + dst]))
+            res = g.refit(specs, delta=True, timeout_s=2.0)
+            assert res.delta["fallbacks"]            # the first: dense, no baseline yet
+            assert all(ray.get([a.__ray_call__.remote(built) for a in src + dst]))
+            expected(dst, specs, fulls)
+            perturb(fulls, 0.1, torch.Generator().manual_seed(3))
+            load_sources(src, specs, fulls)
+            res = g.refit(specs, delta=True, timeout_s=2.0)
+            assert res.delta["fallbacks"] == []
+            expected(dst, specs, fulls)
+    finally:
+        for a in src + dst:
+            ray.kill(a)
