@@ -37,6 +37,33 @@ def test_read_pairs_rows_cut_in_different_places():
     assert "other bytes" in cma.probe(os.getpid(), src.data_ptr(), b"\xff" * 8)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_read_any_rows_adjacent_or_not_cut_anywhere(seed):
+    """Random rows on both sides: runs that continue one another in memory (read as one row),
+    gaps, empty rows, more than IOV_MAX rows on one side or both, cut in different places:
+    every listed byte lands where it is listed here, nothing else is written."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 6000))
+    src = torch.from_numpy(rng.integers(0, 255, 3 * n + 100, dtype=np.uint8))
+    dst = torch.zeros(3 * n + 100, dtype=torch.uint8)
+
+    def cut(total_pieces: int):
+        # pieces of [0, n): each piece a row, some followed by a gap in memory
+        bounds = np.sort(rng.choice(np.arange(1, n), size=min(total_pieces, n - 1),
+                                    replace=False)) if n > 1 else np.array([], dtype=int)
+        edges = np.concatenate(([0], bounds, [n]))
+        gaps = np.cumsum(rng.integers(0, 2, len(edges) - 1) * rng.integers(1, 3, len(edges) - 1))
+        return [(a + g, b + g) for a, b, g in zip(edges[:-1], edges[1:], gaps)]
+
+    here = cut(int(rng.integers(1, 2500)))
+    there = cut(int(rng.integers(1, 2500)))
+    assert cma.read(os.getpid(), _rows(dst, here + [(0, 0)]), _rows(src, there)) == n
+    want = torch.zeros_like(dst)
+    want[torch.cat([torch.arange(a, b) for a, b in here])] = \
+        src[torch.cat([torch.arange(a, b) for a, b in there])]
+    assert torch.equal(dst, want)
+
+
 def test_read_from_a_process_that_is_gone_is_a_transport_error():
     p = CTX.Process(target=time.sleep, args=(0,))
     p.start()
