@@ -29,7 +29,7 @@ class Box:
 
     @property
     def empty(self) -> bool:
-        return any(s == 0 for s in self.sizes)
+        return 0 in self.sizes
 
     def intersect(self, other: "Box") -> Optional["Box"]:
         """The common region, or None when it is empty."""

@@ -76,6 +76,16 @@ class Mesh:
             object.__setattr__(self, "_rank_set", rs)
         return rs
 
+    @property
+    def in_order(self) -> bool:
+        """Whether its ranks are 0, 1, ..., size - 1 in mesh order (cached)."""
+        got = self.__dict__.get("_in_order")
+        if got is None:
+            r = self.ranks
+            got = r[0] == 0 and r[-1] == len(r) - 1 and r == tuple(range(len(r)))
+            object.__setattr__(self, "_in_order", got)
+        return got
+
     def coords(self, rank: int) -> Optional[tuple[int, ...]]:
         """Grid coordinates of `rank`, or None when the rank is not in this mesh."""
         c = self._coords.get(rank)
@@ -107,6 +117,7 @@ class Mesh:
         state = dict(self.__dict__)
         state.pop("_hash", None)
         state.pop("_rank_set", None)
+        state.pop("_in_order", None)
         return state
 
     def __repr__(self) -> str:

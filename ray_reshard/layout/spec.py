@@ -194,15 +194,16 @@ class TensorSpec:
             key = (self.shape, id(self.src), id(self.dst), None if ss is None else id(ss.ranks),
                    None if ds is None else id(ds.ranks), self.quant, self.dtype)
             if key not in checked:
-                self._validate_layouts(name)
+                self._validate_layouts(name, checked)
                 checked.add(key)
         else:
             self._validate_layouts(name)
         if self.quant is not None:
             _quant.validate_slots(self, name)
 
-    def _validate_layouts(self, name: str) -> None:
-        """Every check of `validate` but where the slots sit."""
+    def _validate_layouts(self, name: str, checked: Optional[set] = None) -> None:
+        """Every check of `validate` but where the slots sit (`checked`: as in `validate`; it
+        also remembers which slot rank tables were found inside which mesh)."""
         width = max(_itemsize(self.dtype), _itemsize(self.source_dtype))
         if self.numel * width >= MAX_TENSOR_BYTES:
             raise ValueError(f"{name!r}: shape {self.shape} holds {self.numel} elements "
@@ -214,10 +215,15 @@ class TensorSpec:
             slots = self.src_slots if side == "src" else self.dst_slots
             if slots:
                 mesh_ranks = lay.mesh.rank_set
-                for r in slots.ranks:
-                    if r not in mesh_ranks:
-                        raise ValueError(f"{name!r}: {side}_slots names rank {r}, which is not in "
-                                         f"the {side} mesh {sorted(mesh_ranks)}")
+                inside = None if checked is None else ("slots", id(slots.ranks), id(mesh_ranks))
+                if inside is not None and inside in checked:
+                    continue
+                if not mesh_ranks.issuperset(slots.ranks):
+                    r = next(r for r in slots.ranks if r not in mesh_ranks)
+                    raise ValueError(f"{name!r}: {side}_slots names rank {r}, which is not in "
+                                     f"the {side} mesh {sorted(mesh_ranks)}")
+                if inside is not None:
+                    checked.add(inside)
         if self.quant is not None:
             _quant.validate(self, name)
 

@@ -65,8 +65,14 @@ def min_network_bytes(shape, itemsize, src_layout, dst_layout, topo: Topology) -
         cuts.append(sorted(c))
     pos = [{v: i for i, v in enumerate(c)} for c in cuts]
 
+    blocks: dict = {}         # box -> its block (replicas hold equal boxes)
+
     def block(b: Box) -> tuple[tuple[int, int], ...]:
-        return tuple((p[o], p[o + n]) for p, o, n in zip(pos, b.offsets, b.sizes))
+        got = blocks.get(b)
+        if got is None:
+            got = blocks[b] = tuple([(p[o], p[o + n]) for p, o, n in zip(pos, b.offsets,
+                                                                          b.sizes)])
+        return got
 
     need: dict[Any, set] = defaultdict(set)
     have: dict[Any, set] = defaultdict(set)

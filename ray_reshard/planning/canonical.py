@@ -42,6 +42,8 @@ def plan_tensor(spec_signature: tuple, topo: Topology, rotation: int = 0) -> Ten
                             canon_topo,
                             rotation % _rotations_of(shape, itemsize, src_layout, dst_layout,
                                                      canon_topo) if rotation else 0)
+    if src_layout.mesh.in_order and dst_layout.mesh.in_order:
+        return canon
     return rename(canon, sranks, dranks)
 
 
@@ -77,16 +79,25 @@ def _rotations_of(shape, itemsize, src_layout, dst_layout, canon_topo) -> int:
                            canon_topo, 0).rotations
 
 
+@lru_cache(maxsize=1 << 12)
 def _canonical_topology(src_mesh: Mesh, dst_mesh: Mesh, topo: Topology) -> Topology:
     """Domains and devices of the two meshes' ranks (in mesh order), as canonical labels.
 
     Each side numbers its domain (device) ids 0, 1, ... by first appearance in mesh order; a
     destination id that is not also a source id becomes -1, -2, ... instead, and one that is a
-    source id takes that id's label. Equal problems up to renaming get equal topologies.
+    source id takes that id's label. Equal problems up to renaming get the same topology object
+    (the plan cache then finds it by identity, not by comparing every rank's labels).
     """
     sdom, sdev, sdom_of, sdev_of = _side_labels(src_mesh, topo, "src")
     ddom, ddev, ddom_of, ddev_of = _side_labels(dst_mesh, topo, "dst")
-    return Topology(sdom, _link(ddom, ddom_of, sdom_of), sdev, _link(ddev, ddev_of, sdev_of))
+    return _interned(Topology(sdom, _link(ddom, ddom_of, sdom_of), sdev,
+                              _link(ddev, ddev_of, sdev_of)))
+
+
+@lru_cache(maxsize=1 << 12)
+def _interned(topo: Topology) -> Topology:
+    """The first topology seen equal to `topo`."""
+    return topo
 
 
 def _link(labels: tuple, own: dict, other: dict) -> tuple:
@@ -154,6 +165,8 @@ def clear_caches() -> None:
     canonical_plan.cache_clear()
     _canonical_layout.cache_clear()
     _side_labels.cache_clear()
+    _canonical_topology.cache_clear()
+    _interned.cache_clear()
     rank_boxes.cache_clear()
     rank_box.cache_clear()
     clear_rank_caches()

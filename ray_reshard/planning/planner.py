@@ -7,6 +7,7 @@ that the moves tile every destination shard exactly once. Pure: never imports Ra
 """
 from __future__ import annotations
 
+import heapq
 import math
 from collections import defaultdict
 from typing import Any, Mapping, Sequence
@@ -63,6 +64,7 @@ class _MovePlanner:
         self.moves: list[Move] = []
         self.picked: set = set()
         self.whole_at: set = set()
+        self.heaps: dict = {}   # id(holder list) -> (its heap, the list) (see `pick`)
 
     def run(self) -> tuple[tuple[Move, ...], int]:
         for dbox, replicas in self.dst_classes:
@@ -80,15 +82,24 @@ class _MovePlanner:
 
     def pick(self, holders: Sequence[int]) -> int:
         """The least loaded holder; on a tie, the first from position `rotation` on (mod n):
-        the least (load, (i - rotation) % n)."""
+        the least (load, (i - rotation) % n). Kept per holder list as a heap of (load then,
+        tie order, holder); loads only grow, so an entry whose load is stale is pushed back
+        with its load now until the top is current."""
+        heap = self.heaps.get(id(holders))
+        if heap is None:
+            n = len(holders)
+            heap = [(self.load[h], (i - self.rotation) % n, h) for i, h in enumerate(holders)]
+            heapq.heapify(heap)
+            self.heaps[id(holders)] = (heap, holders)     # the list kept alive with its id
+        else:
+            heap = heap[0]
         load = self.load
-        loads = [load[h] for h in holders]
-        least = min(loads)
-        try:
-            i = loads.index(least, self.rotation % len(holders))
-        except ValueError:
-            i = loads.index(least)
-        best = holders[i]
+        while True:
+            was, order, best = heap[0]
+            now = load[best]
+            if now == was:
+                break
+            heapq.heapreplace(heap, (now, order, best))
         self.picked.add(best)
         return best
 
@@ -107,7 +118,7 @@ class _MovePlanner:
         for receiver, piece in cut:
             pbytes = piece.numel * itemsize
             fan = len(holders) // n_pieces if pbytes >= SPLIT_OVER_REPLICAS_BYTES else 1
-            for sub in piece.split(max(1, fan)):
+            for sub in (piece.split(fan) if fan > 1 else (piece,)):
                 h = self.pick(holders)
                 load[h] += sub.numel * itemsize
                 moves.append(new_move(endpoint("src", h), receiver, sub, NETWORK))

@@ -346,10 +346,17 @@ def _restore_plan(shape, itemsize, senders, sidx, dsts, offsets, sizes, paths, s
 
 
 def _is_identity(ranks: tuple) -> bool:
-    return ranks[0] == 0 and ranks[-1] == len(ranks) - 1 and ranks == tuple(range(len(ranks)))
+    return ranks[0] == 0 and ranks[-1] == len(ranks) - 1 and ranks == _iota(len(ranks))
+
+
+@lru_cache(maxsize=64)
+def _iota(n: int) -> tuple:
+    """(0, 1, ..., n - 1), made once per n."""
+    return tuple(range(n))
 
 
 def clear_rank_caches() -> None:
     """Forget the cached rank arrays and positions (for benchmarks and tests)."""
     _positions.cache_clear()
     _rank_array.cache_clear()
+    _iota.cache_clear()
