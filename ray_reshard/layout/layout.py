@@ -1,6 +1,8 @@
 """Layouts: a mesh plus one placement per mesh dim, and the box each rank holds."""
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Optional, Sequence
@@ -246,7 +248,19 @@ def rank_boxes(layout: Layout, shape: tuple[int, ...]) -> tuple[tuple[int, Box],
     """(rank, box) of every rank of the mesh, in mesh order. Cached; do not mutate."""
     if type(layout) is LayoutUnion:
         return tuple(rb for part in layout.parts for rb in rank_boxes(part, shape))
-    return tuple((r, rank_box(layout, r, shape)) for r in layout.mesh.ranks)
+    mesh = layout.mesh
+    # A rank's box depends only on its coordinates along the sharding mesh dims: ranks that
+    # differ only along replicating dims (replicas) share one Box, computed once.
+    sharding = [i for i, p in enumerate(layout.placements) if isinstance(p, Shard)]
+    memo: dict = {}
+    out = []
+    for r, coords in zip(mesh.ranks, itertools.product(*[range(k) for k in mesh.shape])):
+        key = tuple([coords[i] for i in sharding])
+        box = memo.get(key)
+        if box is None:
+            box = memo[key] = _box_at(layout, coords, shape)
+        out.append((r, box))
+    return tuple(out)
 
 
 @lru_cache(maxsize=1 << 16)
@@ -258,6 +272,11 @@ def rank_box(layout: Layout, rank: int, shape: tuple[int, ...]) -> Optional[Box]
     coords = layout.mesh.coords(rank)
     if coords is None:
         return None
+    return _box_at(layout, coords, shape)
+
+
+def _box_at(layout: Layout, coords: tuple[int, ...], shape: tuple[int, ...]) -> Box:
+    """The box held at mesh coordinates `coords`."""
     offs = [0] * len(shape)
     sizes = list(shape)
     for c, k, p in zip(coords, layout.mesh.shape, layout.placements):
