@@ -16,7 +16,7 @@ from ..layout.mesh import Mesh
 from .bound import tensor_stats
 from .moves import PlanError, Topology, forget_interned
 from .planner import plan_moves, verify_cover
-from .tensor_plan import TensorPlan, clear_rank_caches, rename
+from .tensor_plan import TensorPlan, clear_rank_caches
 
 __all__ = ["plan_tensor", "plan_tensor_direct", "canonical_plan", "clear_caches"]
 
@@ -44,7 +44,7 @@ def plan_tensor(spec_signature: tuple, topo: Topology, rotation: int = 0) -> Ten
                                                      canon_topo) if rotation else 0)
     if src_layout.mesh.in_order and dst_layout.mesh.in_order:
         return canon
-    return rename(canon, sranks, dranks)
+    return TensorPlan.renamed(canon, sranks, dranks)
 
 
 def _layout_key(layout) -> tuple:

@@ -15,7 +15,7 @@ import numpy as np
 from ..layout.box import Box
 from .moves import NETWORK, Endpoint, Move, endpoint, new_move
 
-__all__ = ["TensorPlan", "TensorStats", "rename", "clear_rank_caches"]
+__all__ = ["TensorPlan", "TensorStats", "clear_rank_caches"]
 
 
 @dataclass(frozen=True)
@@ -299,13 +299,6 @@ def _compact(moves: tuple[Move, ...]) -> tuple:
             tuple([m.box for m in moves]), tuple([m.path for m in moves]))
 
 
-def rename(canon: TensorPlan, sranks: tuple, dranks: tuple) -> TensorPlan:
-    """`canon` with mesh position i renamed to the rank at that position, on each side."""
-    if _is_identity(dranks) and _is_identity(sranks):
-        return canon
-    return TensorPlan.renamed(canon, sranks, dranks)
-
-
 _new = object.__new__
 
 
@@ -345,18 +338,7 @@ def _restore_plan(shape, itemsize, senders, sidx, dsts, offsets, sizes, paths, s
     return tp
 
 
-def _is_identity(ranks: tuple) -> bool:
-    return ranks[0] == 0 and ranks[-1] == len(ranks) - 1 and ranks == _iota(len(ranks))
-
-
-@lru_cache(maxsize=64)
-def _iota(n: int) -> tuple:
-    """(0, 1, ..., n - 1), made once per n."""
-    return tuple(range(n))
-
-
 def clear_rank_caches() -> None:
     """Forget the cached rank arrays and positions (for benchmarks and tests)."""
     _positions.cache_clear()
     _rank_array.cache_clear()
-    _iota.cache_clear()
