@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import itertools
-
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Optional, Sequence

@@ -1,6 +1,7 @@
 """Meshes: a grid of rank indices into one side's actor list."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -51,7 +52,6 @@ class Mesh:
         object.__setattr__(self, "shape", tuple(int(s) for s in arr.shape))
         object.__setattr__(self, "ranks", tuple(flat))
         object.__setattr__(self, "dim_names", dim_names)
-        object.__setattr__(self, "_coords", {r: np.unravel_index(i, arr.shape) for i, r in enumerate(flat)})
 
     @classmethod
     def from_shape(cls, shape: Sequence[int], dim_names=None, start: int = 0) -> "Mesh":
@@ -88,8 +88,11 @@ class Mesh:
 
     def coords(self, rank: int) -> Optional[tuple[int, ...]]:
         """Grid coordinates of `rank`, or None when the rank is not in this mesh."""
-        c = self._coords.get(rank)
-        return None if c is None else tuple(int(x) for x in c)
+        at = self.__dict__.get("_coords")
+        if at is None:       # made on first use, never shipped: a mesh of 1,024 ranks
+            at = dict(zip(self.ranks, itertools.product(*[range(k) for k in self.shape])))
+            object.__setattr__(self, "_coords", at)
+        return at.get(rank)
 
     def dim_index(self, dim: int | str) -> int:
         if isinstance(dim, str):
@@ -118,6 +121,7 @@ class Mesh:
         state.pop("_hash", None)
         state.pop("_rank_set", None)
         state.pop("_in_order", None)
+        state.pop("_coords", None)
         return state
 
     def __repr__(self) -> str:
