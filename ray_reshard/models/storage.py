@@ -69,6 +69,7 @@ class EngineSide:
         self.d = dims
         self._cache: dict[str, tuple[Layout, Slots]] = {}
         self._layouts: dict[tuple, Layout] = {}
+        self._meshes: dict[tuple, Mesh] = {}            # (grid shape, grid bytes) -> its mesh
         self._by_grid: dict[tuple, Layout] = {}           # _rep/_shard: (kind, grid) -> layout
         self._grids: dict[Hashable, np.ndarray] = {}
         self._expert_layouts: dict[tuple, Layout] = {}    # experts' layouts, by grid position
@@ -156,8 +157,12 @@ class EngineSide:
                      for p in placements))
         lay = self._layouts.get(key)
         if lay is None:
-            names = tuple(f"m{i}" for i in range(grid.ndim))
-            lay = self._layouts[key] = Layout(Mesh(grid.tolist(), names), tuple(placements))
+            # layouts on one grid share its Mesh: the planner's caches then find it by identity
+            mesh = self._meshes.get(key[:2])
+            if mesh is None:
+                names = tuple(f"m{i}" for i in range(grid.ndim))
+                mesh = self._meshes[key[:2]] = Mesh(grid.tolist(), names)
+            lay = self._layouts[key] = Layout(mesh, tuple(placements))
         return lay
 
     def _rep(self, grid: np.ndarray) -> Layout:
