@@ -219,7 +219,8 @@ TENSOR_SHAPES = [(0,), (1,), (5,), (7,), (3, 4), (13, 2), (1, 9), (2, 0, 3), (5,
 @pytest.mark.parametrize("shape", TENSOR_SHAPES)
 def test_layout_boxes_match_dtensor(mesh_shape, shape):
     """Every placement combination, nested sharding included, against DTensor's own
-    local shape / global offset computation and a hand oracle on index ranges."""
+    local shape / global offset computation and a hand oracle on index ranges; the boxes of
+    the whole mesh at once equal them."""
     options = [Replicate()] + [Shard(d) for d in range(len(shape))]
     ranks = list(range(100, 100 + int(np.prod(mesh_shape))))[::-1]     # any labels, any order
     mesh = Mesh(np.array(ranks).reshape(mesh_shape).tolist())
@@ -238,6 +239,8 @@ def test_layout_boxes_match_dtensor(mesh_shape, shape):
             for d, ix in enumerate(oracle):
                 if len(ix):
                     assert box.offsets[d] == int(ix[0])
+        # the whole mesh at once (the planner's path), in mesh order, equals rank by rank
+        assert list(lay.boxes(shape).items()) == [(r, lay.box(r, shape)) for r in ranks]
 
 
 def test_nested_sharding_one_dim_by_two_mesh_dims():
