@@ -85,15 +85,15 @@ class _MovePlanner:
         the least (load, (i - rotation) % n). Kept per holder list as a heap of (load then,
         tie order, holder); loads only grow, so an entry whose load is stale is pushed back
         with its load now until the top is current."""
-        heap = self.heaps.get(id(holders))
-        if heap is None:
+        load = self.load
+        kept = self.heaps.get(id(holders))
+        if kept is None:
             n = len(holders)
-            heap = [(self.load[h], (i - self.rotation) % n, h) for i, h in enumerate(holders)]
+            heap = [(load[h], (i - self.rotation) % n, h) for i, h in enumerate(holders)]
             heapq.heapify(heap)
             self.heaps[id(holders)] = (heap, holders)     # the list kept alive with its id
         else:
-            heap = heap[0]
-        load = self.load
+            heap = kept[0]
         while True:
             was, order, best = heap[0]
             now = load[best]
