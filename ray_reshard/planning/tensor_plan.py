@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
@@ -280,12 +279,32 @@ class TensorPlan:
                                 paths, self.stats, self.rotations))
 
 
-@lru_cache(maxsize=1 << 12)
+def _per_object(build):
+    """`build(ranks)` cached per tuple object, not per value: hashing a mesh's rank tuple (a
+    thousand ranks) costs more than what is built from it, and a plan's rank tuples are shared
+    objects. An entry keeps its tuple alive, so its id is not reused while cached."""
+    cache: dict = {}
+
+    def get(ranks: tuple):
+        hit = cache.get(id(ranks))
+        if hit is not None and hit[0] is ranks:
+            return hit[1]
+        if len(cache) >= 1 << 12:
+            cache.clear()
+        value = build(ranks)
+        cache[id(ranks)] = (ranks, value)
+        return value
+
+    get.cache_clear = cache.clear
+    return get
+
+
+@_per_object
 def _rank_array(ranks: tuple) -> np.ndarray:
     return np.asarray(ranks, dtype=np.int64)
 
 
-@lru_cache(maxsize=1 << 12)
+@_per_object
 def _positions(ranks: tuple) -> dict:
     """rank -> its position in `ranks`."""
     return {r: i for i, r in enumerate(ranks)}
