@@ -90,14 +90,25 @@ def _canonical_topology(src_mesh: Mesh, dst_mesh: Mesh, topo: Topology) -> Topol
     """
     sdom, sdev, sdom_of, sdev_of = _side_labels(src_mesh, topo, "src")
     ddom, ddev, ddom_of, ddev_of = _side_labels(dst_mesh, topo, "dst")
-    return _interned(Topology(sdom, _link(ddom, ddom_of, sdom_of), sdev,
-                              _link(ddev, ddev_of, sdev_of)))
+    parts = (sdom, _link(ddom, ddom_of, sdom_of), sdev, _link(ddev, ddev_of, sdev_of))
+    # Label tuples are interned, so equal topologies have the very same parts: look them up
+    # by identity instead of hashing every rank's labels for each mesh pair.
+    key = tuple(map(id, parts))
+    known = _TOPOLOGIES.get(key)
+    if known is None:
+        if len(_TOPOLOGIES) >= 1 << 12:
+            _TOPOLOGIES.clear()
+        known = _TOPOLOGIES[key] = (Topology(*parts), parts)    # the parts kept alive
+    return known[0]
+
+
+_TOPOLOGIES: dict = {}   # ids of the four label tuples -> (their Topology, the tuples)
 
 
 @lru_cache(maxsize=1 << 12)
-def _interned(topo: Topology) -> Topology:
-    """The first topology seen equal to `topo`."""
-    return topo
+def _labels(labels: tuple) -> tuple:
+    """The first tuple seen equal to `labels`."""
+    return labels
 
 
 def _link(labels: tuple, own: dict, other: dict) -> tuple:
@@ -106,12 +117,13 @@ def _link(labels: tuple, own: dict, other: dict) -> tuple:
     if not shared:
         return labels
     remap = {own[v]: other[v] for v in shared}
-    return tuple([remap.get(x, x) for x in labels])
+    return _labels(tuple([remap.get(x, x) for x in labels]))
 
 
 @lru_cache(maxsize=1 << 12)
 def _side_labels(mesh: Mesh, topo: Topology, side: str):
-    """First-appearance labels of the domains and devices of `mesh`'s ranks on `side`."""
+    """First-appearance labels of the domains and devices of `mesh`'s ranks on `side`
+    (interned tuples)."""
     ranks = mesh.ranks
     _check_ranks(side, ranks, topo.n_src if side == "src" else topo.n_dst)
     domains = topo.src_domains if side == "src" else topo.dst_domains
@@ -124,7 +136,7 @@ def _side_labels(mesh: Mesh, topo: Topology, side: str):
     else:
         dom = tuple([dom_of.setdefault(domains[r], -1 - len(dom_of)) for r in ranks])
         dev = tuple([dev_of.setdefault(devices[r], -1 - len(dev_of)) for r in ranks])
-    return dom, dev, dom_of, dev_of
+    return _labels(dom), _labels(dev), dom_of, dev_of
 
 
 def _check_ranks(side: str, ranks: Sequence[int], n: int) -> None:
@@ -166,7 +178,8 @@ def clear_caches() -> None:
     _canonical_layout.cache_clear()
     _side_labels.cache_clear()
     _canonical_topology.cache_clear()
-    _interned.cache_clear()
+    _labels.cache_clear()
+    _TOPOLOGIES.clear()
     rank_boxes.cache_clear()
     rank_box.cache_clear()
     clear_rank_caches()
