@@ -13,7 +13,7 @@ from typing import Hashable
 from ..layout.box import Box
 
 __all__ = ["LOCAL", "DOMAIN", "NETWORK", "PATHS", "Endpoint", "Move", "Topology", "PlanError",
-           "endpoint", "new_move", "forget_interned"]
+           "endpoint", "endpoints", "new_move", "forget_interned"]
 
 LOCAL, DOMAIN, NETWORK = "local", "domain", "network"
 PATHS = (LOCAL, DOMAIN, NETWORK)
@@ -118,12 +118,6 @@ class Topology:
 _TOPOLOGIES: dict = {}
 
 
-@dataclass(frozen=True)
-class TensorStats:
-    """Bytes of one tensor's plan; all figures in destination-dtype bytes."""
-
-
-
 class PlanError(ValueError):
     """The planner found the plan inconsistent (a bug or an impossible layout)."""
 
@@ -137,6 +131,17 @@ def endpoint(side: str, rank: int) -> Endpoint:
     if e is None:
         e = _ENDPOINTS[(side, rank)] = Endpoint(side, rank)
     return e
+
+
+def endpoints(side: str, n: int) -> tuple[Endpoint, ...]:
+    """The shared endpoints of ranks 0..n-1 of `side`, by rank."""
+    got = _RANGES.get((side, n))
+    if got is None:
+        got = _RANGES[(side, n)] = tuple([endpoint(side, r) for r in range(n)])
+    return got
+
+
+_RANGES: dict = {}
 
 
 _new = object.__new__
@@ -157,4 +162,5 @@ def new_move(src: Endpoint, dst: int, box: Box, path: str) -> Move:
 def forget_interned() -> None:
     """Forget the shared endpoints and topologies (for benchmarks and tests)."""
     _ENDPOINTS.clear()
+    _RANGES.clear()
     _TOPOLOGIES.clear()

@@ -14,7 +14,8 @@ from typing import Any, Mapping, Sequence
 
 from ..layout.box import Box
 from ..layout.layout import Layout, LayoutUnion, rank_boxes
-from .moves import DOMAIN, LOCAL, NETWORK, Move, PlanError, Topology, endpoint, new_move
+from .moves import (DOMAIN, LOCAL, NETWORK, Move, PlanError, Topology, endpoint, endpoints,
+                    new_move)
 
 __all__ = ["plan_moves", "verify_cover", "SPLIT_OVER_REPLICAS_BYTES", "WHOLE_BELOW_BYTES"]
 
@@ -46,6 +47,7 @@ class _MovePlanner:
     def __init__(self, shape, itemsize, src_layout, dst_layout, topo: Topology, rotation: int):
         self.itemsize, self.rotation = itemsize, rotation
         self.sdev, self.ddev, self.ddom = topo.src_devices, topo.dst_devices, topo.dst_domains
+        self.src_eps = endpoints("src", topo.n_src)
         self.src_classes = _classes(rank_boxes(src_layout, shape))
         self.dst_classes = _classes(rank_boxes(dst_layout, shape))
         # Domains whose ranks hold different but overlapping boxes (only destination groups
@@ -103,26 +105,40 @@ class _MovePlanner:
         self.picked.add(best)
         return best
 
-    def pieces(self, rs: list, x: Box) -> list:
-        """(receiver, piece) pairs of `x` into one far domain whose ranks `rs` all need it."""
-        if len(rs) > 1 and x.numel * self.itemsize < WHOLE_BELOW_BYTES:
-            self.whole_at.add(len(rs))
-            return [(rs[self.rotation % len(rs)], x)]
-        return list(zip(rs, x.split(len(rs))))
+    def pieces(self, rs: list, x: Box, splits: dict) -> list:
+        """(receiver, piece) pairs of `x` into one far domain whose ranks `rs` all need it.
+        `splits` keeps `x` split per rank count, for the other domains `x` goes to."""
+        k = len(rs)
+        if k > 1 and x.numel * self.itemsize < WHOLE_BELOW_BYTES:
+            self.whole_at.add(k)
+            return [(rs[self.rotation % k], x)]
+        cut = splits.get(k)
+        if cut is None:
+            cut = splits[k] = x.split(k)
+        return list(zip(rs, cut))
 
-    def far(self, rs: list, cut: list, holders: Sequence[int], n_pieces: int) -> None:
+    def far(self, rs: list, cut: list, holders: Sequence[int], n_pieces: int,
+            subs_of: dict) -> None:
         """A region into one far domain whose ranks `rs` all need it, cut as `pieces` cuts it:
         each piece to one of them over the network (several source replicas share a large
-        piece), which forwards it to the rest."""
+        piece), which forwards it to the rest. `subs_of` keeps each piece's share per source
+        replica (by the piece's id; the pieces outlive it), for the other domains it goes to."""
         itemsize, load, moves, ddev = self.itemsize, self.load, self.moves, self.ddev
+        src_eps = self.src_eps
         for receiver, piece in cut:
-            pbytes = piece.numel * itemsize
-            fan = len(holders) // n_pieces if pbytes >= SPLIT_OVER_REPLICAS_BYTES else 1
-            for sub in (piece.split(fan) if fan > 1 else (piece,)):
+            subs = subs_of.get(id(piece))
+            if subs is None:
+                fan = (len(holders) // n_pieces
+                       if piece.numel * itemsize >= SPLIT_OVER_REPLICAS_BYTES else 1)
+                subs = subs_of[id(piece)] = [(sub, sub.numel * itemsize) for sub in
+                                             (piece.split(fan) if fan > 1 else (piece,))]
+            rep = endpoint("dst", receiver) if len(rs) > 1 else None
+            for sub, nbytes in subs:
                 h = self.pick(holders)
-                load[h] += sub.numel * itemsize
-                moves.append(new_move(endpoint("src", h), receiver, sub, NETWORK))
-                rep = endpoint("dst", receiver)
+                load[h] += nbytes
+                moves.append(new_move(src_eps[h], receiver, sub, NETWORK))
+                if rep is None:
+                    continue
                 for other in rs:
                     if other != receiver:
                         path = LOCAL if ddev[other] == ddev[receiver] else DOMAIN
@@ -152,17 +168,19 @@ class _MovePlanner:
                 for r in rs:
                     same = [h for h in near if sdev[h] == ddev[r]]
                     if same:
-                        moves.append(new_move(endpoint("src", same[0]), r, x, LOCAL))
+                        moves.append(new_move(self.src_eps[same[0]], r, x, LOCAL))
                     else:
                         h = self.pick(near)
                         load[h] += xbytes
-                        moves.append(new_move(endpoint("src", h), r, x, DOMAIN))
+                        moves.append(new_move(self.src_eps[h], r, x, DOMAIN))
             if not far_domains:
                 continue
-            cuts = [(rs, self.pieces(rs, x)) for rs in far_domains]
+            splits: dict = {}
+            cuts = [(rs, self.pieces(rs, x, splits)) for rs in far_domains]
             n_pieces = sum(len(cut) for _, cut in cuts)
+            subs_of: dict = {}
             for rs, cut in cuts:
-                self.far(rs, cut, holders, n_pieces)
+                self.far(rs, cut, holders, n_pieces, subs_of)
 
     def place_mixed(self, dom, ranks: list) -> None:
         """The moves into a mixed domain (its ranks' boxes overlap): cell by cell of their
@@ -173,8 +191,8 @@ class _MovePlanner:
             xs = [(r, x) for r, x in ((r, b.intersect(sbox)) for r, b in ranks) if x is not None]
             for cell in _cells([x for _, x in xs]):
                 needers = [r for r, x in xs if x.contains(cell)]
-                cut = self.pieces(needers, cell)
-                self.far(needers, cut, holders, len(cut))
+                cut = self.pieces(needers, cell, {})
+                self.far(needers, cut, holders, len(cut), {})
 
 
 def _classes(boxes) -> list[tuple[Box, tuple[int, ...]]]:
