@@ -24,8 +24,13 @@ def tensor_stats(shape, itemsize, src_layout, dst_layout, topo: Topology,
     by_path = defaultdict(int)
     send = defaultdict(int)
     recv = defaultdict(int)
+    numel: dict = {}         # id(box) -> its elements: moves share boxes (a piece, its forwards)
     for m in moves:
-        nb = m.box.numel * itemsize
+        b = m.box
+        n = numel.get(id(b))
+        if n is None:
+            n = numel[id(b)] = b.numel
+        nb = n * itemsize
         by_path[m.path] += nb
         if m.path == NETWORK:
             send[m.src.rank] += nb
@@ -35,8 +40,17 @@ def tensor_stats(shape, itemsize, src_layout, dst_layout, topo: Topology,
         full *= s
     full *= itemsize
     shape = tuple(shape)
-    gather = sum(full - b.numel * itemsize for _, b in rank_boxes(src_layout, shape))
-    n_dst_holding = sum(1 for _, b in rank_boxes(dst_layout, shape) if not b.empty)
+    gather = n_dst_holding = 0
+    for _, b in rank_boxes(src_layout, shape):          # replicas share one Box object
+        n = numel.get(id(b))
+        if n is None:
+            n = numel[id(b)] = b.numel
+        gather += full - n * itemsize
+    for _, b in rank_boxes(dst_layout, shape):
+        n = numel.get(id(b))
+        if n is None:
+            n = numel[id(b)] = b.numel
+        n_dst_holding += n > 0
     return TensorStats(
         network_bytes=by_path[NETWORK], domain_bytes=by_path[DOMAIN], local_bytes=by_path[LOCAL],
         min_network_bytes=min_network_bytes(shape, itemsize, src_layout, dst_layout, topo),
@@ -56,22 +70,31 @@ def min_network_bytes(shape, itemsize, src_layout, dst_layout, topo: Topology) -
     dst = [(r, b) for r, b in rank_boxes(dst_layout, shape) if not b.empty]
     if not dst:
         return 0
+    boxes = {id(b): b for _, b in src + dst}.values()       # replicas share one Box object
     cuts = []
     for d, n in enumerate(shape):
         c = {0, n}
-        for _, b in src + dst:
+        for b in boxes:
             c.add(b.offsets[d])
             c.add(b.offsets[d] + b.sizes[d])
         cuts.append(sorted(c))
     pos = [{v: i for i, v in enumerate(c)} for c in cuts]
 
-    blocks: dict = {}         # box -> its block (replicas hold equal boxes)
+    # Each distinct box's block on the grid, numbered: replicas share one Box object, so the
+    # boxes are told apart by identity first, then by value (equal boxes, one block).
+    by_id: dict = {}
+    by_box: dict = {}
+    cells: list = []
 
-    def block(b: Box) -> tuple[tuple[int, int], ...]:
-        got = blocks.get(b)
+    def block(b: Box) -> int:
+        got = by_id.get(id(b))
         if got is None:
-            got = blocks[b] = tuple([(p[o], p[o + n]) for p, o, n in zip(pos, b.offsets,
-                                                                          b.sizes)])
+            got = by_box.get(b)
+            if got is None:
+                got = by_box[b] = len(cells)
+                cells.append(tuple([(p[o], p[o + n]) for p, o, n in zip(pos, b.offsets,
+                                                                           b.sizes)]))
+            by_id[id(b)] = got
         return got
 
     need: dict[Any, set] = defaultdict(set)
@@ -91,8 +114,8 @@ def min_network_bytes(shape, itemsize, src_layout, dst_layout, topo: Topology) -
     for (needed, held), count in kinds.items():
         missing = np.zeros(cell_bytes.shape, dtype=bool)
         for blk in needed:
-            missing[tuple(slice(a, b) for a, b in blk)] = True
+            missing[tuple(slice(a, b) for a, b in cells[blk])] = True
         for blk in held:
-            missing[tuple(slice(a, b) for a, b in blk)] = False
+            missing[tuple(slice(a, b) for a, b in cells[blk])] = False
         total += count * int(cell_bytes[missing].sum())
     return total

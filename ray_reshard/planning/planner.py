@@ -264,7 +264,9 @@ def verify_cover(shape, dst_layout, moves: Sequence[Move]) -> None:
     into: dict[int, list[Box]] = defaultdict(list)
     for m in moves:
         into[m.dst].append(m.box)
-    checked: set = set()        # replicas often receive the very same pieces: check once
+    # Replicas often receive the very same piece objects (and share their Box): check a
+    # (shard, pieces) combination once, told by identity (the moves keep the boxes alive).
+    checked: set = set()
     for r, box in rank_boxes(dst_layout, tuple(shape)):
         got = into.pop(r, [])
         if box.empty:
@@ -273,8 +275,8 @@ def verify_cover(shape, dst_layout, moves: Sequence[Move]) -> None:
             continue
         if len(got) == 1 and got[0] == box:     # the whole shard in one piece
             continue
-        # A valid set has no duplicates: equal length and equal set mean the same pieces.
-        key = (box, len(got), frozenset(got)) if len(got) > 1 else None
+        # Equal length and equal set of objects: the same pieces (a repeat changes the length).
+        key = (id(box), len(got), frozenset(map(id, got))) if len(got) > 1 else None
         if key is not None and key in checked:
             continue
         total = 0
