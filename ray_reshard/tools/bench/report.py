@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from ...execution.program import PER_ITEM_MIN_BYTES
-from .harness import machine_facts, predicted_range
+from .harness import machine_facts, predicted_range, settle
 
 ROOT = str(Path(__file__).resolve().parents[3])
 PAGE = os.path.join(ROOT, "docs", "benchmarks.md")
@@ -112,6 +112,9 @@ def _commit() -> str:
     return head + ("+uncommitted" if dirty else "")
 
 
+SECTION_SETTLE_S = 120.0     # the longest wait for a quiet machine before a section
+
+
 def run_section(name: str, small: bool, keep: str) -> dict:
     """Run one section's command; returns {"stdout", "json", "seconds", "command"}."""
     _, full, little, wants_json = SECTIONS[name]
@@ -121,6 +124,8 @@ def run_section(name: str, small: bool, keep: str) -> dict:
         args += ["--json", path]
     elif wants_json == "stdout":
         args += ["--json"]
+    # what the previous section left running (a cluster shutting down) ends first
+    waited = settle(quiet=0.25, window_s=1.0, limit_s=SECTION_SETTLE_S)
     t0, commit, load0 = time.time(), _commit(), os.getloadavg()[0]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     p = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True,
@@ -128,6 +133,7 @@ def run_section(name: str, small: bool, keep: str) -> dict:
     out = {"command": command_line(name, small), "seconds": time.time() - t0,
            "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t0)), "commit": commit,
            "returncode": p.returncode, "load": [round(load0, 2), round(os.getloadavg()[0], 2)],
+           "settled_s": round(waited, 1),
            "stdout": "\n".join(line for line in p.stdout.splitlines()
                                if not NOISE.match(line)).strip()}
     if p.returncode != 0:
@@ -385,7 +391,9 @@ def render(results: dict, small: bool, facts: dict, commit: str) -> str:
                   f"`{r.get('commit', commit)}`, {r['seconds']:.0f} s"
                   + ("" if load is None else
                      f"; 1-minute load average {load[0]:.1f} at its start, {load[1]:.1f} at "
-                     f"its end") + ")", ""]
+                     f"its end") + ("" if r.get("settled_s") is None else
+                                   f"; started after {r['settled_s']:.0f} s waiting for the "
+                                   f"CPUs to be under 25% busy over a second") + ")", ""]
         lines += RENDER[name](r)
         if name in NOTES:
             lines += ["", NOTES[name]]
@@ -579,7 +587,7 @@ def check_page(table: list, names: list, small: bool, keep: str) -> str:
         with open(os.path.join(keep, f"{n}.out.json")) as f:
             r = json.load(f)
         lines.append(f"- `{r['command']}` (run {r['date_utc']} at commit `{r['commit']}`, "
-                     f"{r['seconds']:.0f} s)")
+                     f"{r['seconds']:.0f} s; 1-minute load average {r['load'][0]:.1f} at its start)")
     lines += ["", "Machine: " + machine]
     where = os.path.relpath(keep, ROOT)
     if not where.startswith(".."):
