@@ -247,9 +247,10 @@ def render_first_refit(r: dict) -> list:
              "`worker.install` (localize, shard table, compile), each in a fresh process, the "
              "slower of the busiest destination and the busiest source."
              + (f" Each figure is the median of {repeats} measurements; [range] is the lowest "
-                f"and highest of them; a goal is judged on the medians. The measurements of one "
-                f"run follow each other within a minute: CPU seconds on this shared host move "
-                f"more between runs hours apart than within one (`--check` shows by how much)."
+                f"and highest of them; a goal is judged on the medians. The cases take turns "
+                f"within each repeat, and one run's measurements follow each other within two "
+                f"minutes: CPU seconds on this shared host move more between runs hours apart "
+                f"than within one (`--check` shows by how much)."
                 if repeats > 1 else ""),
              ""]
     lines += _table(head, rows)

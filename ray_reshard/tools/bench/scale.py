@@ -404,15 +404,20 @@ def first_refit(args) -> dict:
           f"copying the bytes once (ray.put). Each process (here a fresh process per rank: the "
           f"busiest destination and the busiest source) unpickles the plan (load) and runs the "
           f"runtime's own install (localize, shard table, compile); busiest s = the slower "
-          f"one's load + install.")
+          f"one's load + install. The cases take turns within each repeat.")
     print(head)
     print("-" * len(head))
     rows, per_repeat = {}, [{} for _ in range(args.repeats)]
+    # The cases take turns within each repeat: a slower spell of the shared host then lands on
+    # every case, not on one, and each repeat's ratios compare measurements made together.
+    by_case = [[] for _ in cases]
+    for _ in range(args.repeats):
+        for index, runs in enumerate(by_case):
+            runs.append(_in_fresh_process("first_refit_once", args.models, args.wide, index,
+                                          args.bucket_mb, args.ranks_per_domain))
     for index, (title, _, (train, infer)) in enumerate(cases):
         ranks = f"{train.world}->{infer.world}"
-        runs = [_in_fresh_process("first_refit_once", args.models, args.wide, index,
-                                  args.bucket_mb, args.ranks_per_domain)
-                for _ in range(args.repeats)]
+        runs = by_case[index]
         for k, one in enumerate(runs):
             per_repeat[k][ranks] = dict(one, model=title)
         row = {"model": title, "repeats": len(runs)}
