@@ -94,15 +94,15 @@ def _canonical_topology(src_mesh: Mesh, dst_mesh: Mesh, topo: Topology) -> Topol
     # Label tuples are interned, so equal topologies have the very same parts: look them up
     # by identity instead of hashing every rank's labels for each mesh pair.
     key = tuple(map(id, parts))
-    known = _TOPOLOGIES.get(key)
+    known = _BY_LABEL_IDS.get(key)
     if known is None:
-        if len(_TOPOLOGIES) >= 1 << 12:
-            _TOPOLOGIES.clear()
-        known = _TOPOLOGIES[key] = (Topology(*parts), parts)    # the parts kept alive
+        if len(_BY_LABEL_IDS) >= 1 << 12:
+            _BY_LABEL_IDS.clear()
+        known = _BY_LABEL_IDS[key] = (Topology(*parts), parts)    # the parts kept alive
     return known[0]
 
 
-_TOPOLOGIES: dict = {}   # ids of the four label tuples -> (their Topology, the tuples)
+_BY_LABEL_IDS: dict = {}   # ids of the four label tuples -> (their Topology, the tuples)
 
 
 @lru_cache(maxsize=1 << 12)
@@ -179,7 +179,7 @@ def clear_caches() -> None:
     _side_labels.cache_clear()
     _canonical_topology.cache_clear()
     _labels.cache_clear()
-    _TOPOLOGIES.clear()
+    _BY_LABEL_IDS.clear()
     rank_boxes.cache_clear()
     rank_box.cache_clear()
     clear_rank_caches()
