@@ -25,12 +25,15 @@ def tensor_stats(shape, itemsize, src_layout, dst_layout, topo: Topology,
     send = defaultdict(int)
     recv = defaultdict(int)
     numel: dict = {}         # id(box) -> its elements: moves share boxes (a piece, its forwards)
-    for m in moves:
-        b = m.box
+
+    def numel_of(b: Box) -> int:
         n = numel.get(id(b))
         if n is None:
             n = numel[id(b)] = b.numel
-        nb = n * itemsize
+        return n
+
+    for m in moves:
+        nb = numel_of(m.box) * itemsize
         by_path[m.path] += nb
         if m.path == NETWORK:
             send[m.src.rank] += nb
@@ -40,17 +43,9 @@ def tensor_stats(shape, itemsize, src_layout, dst_layout, topo: Topology,
         full *= s
     full *= itemsize
     shape = tuple(shape)
-    gather = n_dst_holding = 0
-    for _, b in rank_boxes(src_layout, shape):          # replicas share one Box object
-        n = numel.get(id(b))
-        if n is None:
-            n = numel[id(b)] = b.numel
-        gather += full - n * itemsize
-    for _, b in rank_boxes(dst_layout, shape):
-        n = numel.get(id(b))
-        if n is None:
-            n = numel[id(b)] = b.numel
-        n_dst_holding += n > 0
+    # replicas share one Box object
+    gather = sum(full - numel_of(b) * itemsize for _, b in rank_boxes(src_layout, shape))
+    n_dst_holding = sum(1 for _, b in rank_boxes(dst_layout, shape) if numel_of(b))
     return TensorStats(
         network_bytes=by_path[NETWORK], domain_bytes=by_path[DOMAIN], local_bytes=by_path[LOCAL],
         min_network_bytes=min_network_bytes(shape, itemsize, src_layout, dst_layout, topo),
