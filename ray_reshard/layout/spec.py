@@ -166,11 +166,13 @@ class TensorSpec:
         return Slot(name)
 
     def __hash__(self):
-        # Cached: spec sets are looked up whole (the plan cache) at every refit.
+        # Cached: spec sets are looked up whole (the plan cache) at every refit. The slot
+        # tables are left out (equal specs still hash alike): hashing two tables per spec was
+        # a third of building a model's specs, and specs differing only there (the experts of
+        # one layer) are told apart by their names wherever a set of them is a key.
         h = self.__dict__.get("_hash")
         if h is None:
-            h = hash((self.shape, self.dtype, self.src, self.dst, self.src_dtype, self.src_slots,
-                      self.dst_slots, self.quant))
+            h = hash((self.shape, self.dtype, self.src, self.dst, self.src_dtype, self.quant))
             object.__setattr__(self, "_hash", h)
         return h
 
