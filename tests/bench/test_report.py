@@ -87,6 +87,38 @@ def test_runs_combine_into_medians_of_run_medians_with_their_range():
     assert combine_runs(outs[:1])["runs"] == 1           # one run: its own figures
 
 
+def test_rise_is_the_median_of_each_rounds_difference_in_the_larger_case():
+    from ray_reshard.tools.bench.peers import render_row, reshard_rise
+    from ray_reshard.tools.bench.peers_case import RISE_BASE
+
+    def counts(fewer_s, more_s, rounds_ms):
+        a = _peers_row(reshard=fewer_s, store=1.0, raw=0.1)
+        b = _peers_row(reshard=more_s, store=1.0, raw=0.1)
+        if rounds_ms is not None:
+            b["rise"] = {"from": 1024, "to": 4096, "ms_by_round": rounds_ms}
+            b["peers"][RISE_BASE] = dict(a["peers"]["reshard"])
+        return {"counts": {"1024": a, "4096": b}}
+
+    # both in each round: the median of the rounds' differences, not of the two cases
+    assert reshard_rise(counts(0.100, 0.200, [12.0, 30.0, 15.0]), "1024", "4096").values == \
+        [15.0]
+    # an output without the paired figures: the two cases' medians (older raw outputs)
+    assert reshard_rise(counts(0.100, 0.125, None), "1024", "4096").values == \
+        [pytest.approx(25.0)]
+    out = counts(0.1, 0.2, [12.0, 30.0, 15.0])
+    del out["counts"]["1024"]                  # measured inside the 4096 case alone
+    rise = [g for g in goals(out) if "rise" in g["goal"]]
+    assert len(rise) == 1 and rise[0]["met"] and rise[0]["measured"] == 15.0
+    runs = [_run_out(counts(0.1, 0.2, ms)["counts"]["4096"]) for ms in ([5.0], [25.0], [21.0])]
+    for o in runs:
+        o["counts"] = {"4096": o["counts"]["32"]}
+    combined = combine_runs(runs)
+    assert reshard_rise(combined, "1024", "4096").values == [5.0, 25.0, 21.0]
+    assert "the rise's goal: the median of the rounds' differences" in \
+        "\n".join(report.render_peers({"json": combined}))
+    assert "rise from 1024 tensors" in render_row(combined["counts"]["4096"])
+
+
 def test_settle_waits_for_a_quiet_machine_and_gives_up_at_its_limit():
     import threading
     import time

@@ -4,6 +4,7 @@ against reshard's, the timed rounds in rotated order). Loopback and shaped runs 
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 import torch
 
@@ -19,7 +20,10 @@ PEERS = ("reshard", "object store", RDT, "gather-broadcast") + RAW
 FAIR = ("reshard TP4 -> TP4 (the raw sends' pairs and bytes)",
         "raw point-to-point + forward to the second replica")
 FORWARD = "forward to the second replica (a refit of replica 0 into replica 1)"
-EXTRA = (RDT_FLAT, FAIR[0], FORWARD)
+# Reshard's rise with the tensor count is measured inside the larger count's case: the same
+# bytes in fewer tensors, on the same actors, in the same turns.
+RISE_BASE = "reshard, the same bytes in fewer tensors (the rise's baseline)"
+EXTRA = (RDT_FLAT, FAIR[0], FORWARD, RISE_BASE)
 GB_BUCKET_MB = 16             # gather-broadcast's bucket (whole tensors per collective), at least
 
 
@@ -79,9 +83,11 @@ def holder_class():
                     row += rows
             return True
 
-        def add(self, shapes):
-            """More tensors beside the ones it holds (zeros)."""
-            self.t.update({n: torch.zeros(s) for n, s in shapes.items()})
+        def add(self, shapes, fill=False):
+            """More tensors beside the ones it holds (zeros, or random with `fill`)."""
+            g = torch.Generator().manual_seed(2)
+            self.t.update({n: (torch.randn(s, generator=g) if fill else torch.zeros(s))
+                           for n, s in shapes.items()})
 
         def alias(self, names):
             """Its tensors also under other names ({new: existing}; no copy)."""
@@ -118,16 +124,20 @@ def rdt_group(actors):
 
 
 def run_case(src, dst, count: int, mb: int, bucket_mb: int, repeats: int, rdt, log=print,
-             fair: bool = False, counted=None) -> tuple[dict, str]:
+             fair: bool = False, counted=None, rise_from: Optional[int] = None
+             ) -> tuple[dict, str]:
     """Every peer at one tensor count on the same actors: warm-up (each result checked against
     reshard's), then `repeats` rounds of timed runs in rotated order; with `counted`
-    (`shaped.Counted`) each run's link bytes too. Returns the row and why Ray Direct Transport
+    (`shaped.Counted`) each run's link bytes too; with `rise_from`, also reshard over the same
+    bytes in that many tensors (`RISE_BASE`). Returns the row and why Ray Direct Transport
     stopped ("" when it ran)."""
     import ray_reshard as rr
 
     rows, cols = shape_for(mb, count)
     names = [f"w{i}" for i in range(count)]
     specs, fair_specs, fwd_specs = case_specs(src, dst, rows, cols, count, fair)
+    base_specs = None if rise_from is None else \
+        fewer_specs(src, dst, shape_for(mb, rise_from), rise_from)
     bucket = bucket_mb * MiB
     g = rr.ReshardGroup(src, dst, bucket_bytes=bucket)
     # gather-broadcast's collectives gain from large buckets: never under 16 MiB
@@ -152,7 +162,11 @@ def run_case(src, dst, count: int, mb: int, bucket_mb: int, repeats: int, rdt, l
         if fair:
             peers[FAIR[0]] = timed_refit(g, fair_specs)
             peers[FORWARD] = timed_refit(fwd, fwd_specs)
+        if base_specs is not None:
+            peers[RISE_BASE] = timed_refit(g, base_specs)
         why_not_rdt = warm_up(peers, dst, names, count, log)
+        if base_specs is not None:
+            check_fewer(src, dst, list(base_specs), count)
         times, wire, idle, waits = timed_rounds(peers, repeats, counted)
         plan = g.plan(specs)
     finally:
@@ -173,6 +187,10 @@ def run_case(src, dst, count: int, mb: int, bucket_mb: int, repeats: int, rdt, l
                                 for n, xs in idle.items() if xs}
     row["settle"] = {"runs": len(waits), "waited_s": round(sum(waits), 2),
                      "not_quiet": sum(w >= SETTLE_LIMIT_S for w in waits)}
+    if base_specs is not None:
+        # each round ran both once: the rise is the median of the rounds' differences
+        row["rise"] = {"from": rise_from, "to": count, "ms_by_round": [
+            1e3 * (a - b) for a, b in zip(times["reshard"], times[RISE_BASE])]}
     return row, why_not_rdt
 
 
@@ -204,6 +222,35 @@ def case_specs(src, dst, rows: int, cols: int, count: int, fair: bool):
     tp2 = L([0, 1], Shard(0), names=("tp",))
     fwd_specs = {n: rr.TensorSpec((rows, cols), torch.float32, tp2, tp2) for n in names}
     return specs, fair_specs, fwd_specs
+
+
+def fewer_specs(src, dst, shape: tuple, count: int) -> dict:
+    """Specs of the case's layouts over `count` more tensors (`f0`...) of `shape`, made on the
+    actors beside the case's own (sources random, destinations zeros)."""
+    import ray
+
+    import ray_reshard as rr
+    from ray_reshard.layout.placement import Replicate, Shard
+
+    src_l = rr.Layout(rr.Mesh([0, 1, 2, 3]), (Shard(0),))
+    dst_l = rr.Layout(rr.Mesh([[0, 1], [2, 3]], ("dp", "tp")), (Replicate(), Shard(0)))
+    specs = {f"f{i}": rr.TensorSpec(shape, torch.float32, src_l, dst_l) for i in range(count)}
+    shapes = lambda side, r: {n: s.layout(side).local_shape(r, s.shape) for n, s in specs.items()}
+    ray.get([a.add.remote(shapes("src", r), True) for r, a in enumerate(src)] +
+            [a.add.remote(shapes("dst", r)) for r, a in enumerate(dst)])
+    return specs
+
+
+def check_fewer(src, dst, names: list, count: int) -> None:
+    """After `fewer_specs`' refit: each destination replica holds what the sources hold."""
+    import numpy as np
+    import ray
+
+    want = sum(ray.get([a.digest.remote(names) for a in src]))
+    got = ray.get([a.digest.remote(names) for a in dst])    # TP2 x DP2: replicas [0, 1], [2, 3]
+    if not np.allclose([got[0] + got[1], got[2] + got[3]], want, rtol=1e-9, atol=1e-6):
+        raise RuntimeError(f"{count} tensors: the rise's baseline left {got} on the "
+                           f"destinations (replica sums), the sources hold {want}")
 
 
 def timed_refit(group, spec_set):
@@ -250,7 +297,7 @@ def warm_up(peers: dict, dst, names, count: int, log) -> str:
     want = None
     why_not_rdt = ""
     for name, fn in list(peers.items()):
-        if name in RAW or name in FAIR or name == FORWARD:
+        if name in RAW or name in FAIR or name in (FORWARD, RISE_BASE):
             fn()
             continue
         ray.get([a.zero.remote() for a in dst])

@@ -212,11 +212,11 @@ def render_peers(r: dict) -> list:
     lines += _table(head, rows)
     head, rows = extra_table(o)
     if rows:
-        lines += ["", "In the same turns: Ray Direct Transport sending one flat tensor per "
-                      "source instead of a list of tensors, and the fair pair of raw "
-                      "point-to-point: reshard between the raw sends' own pairs (TP4 -> TP4, "
-                      "the same bytes, no forward), and the forward reshard adds (a refit of "
-                      "the first destination replica into the second, inside node 1).", ""]
+        lines += ["", "In the same turns: Ray Direct Transport with one flat tensor per source; "
+                      "the fair pair of raw point-to-point: reshard TP4 -> TP4 (the raw sends' "
+                      "pairs and bytes) and the forward reshard adds (replica 0 into replica 1, "
+                      "inside node 1); at 4096 tensors, reshard over the same bytes in 1024 "
+                      "tensors (the rise's goal: the median of the rounds' differences).", ""]
         lines += _table(head, rows)
     lines += ["", "Goals (medians" + (" over the runs" if runs > 1 else "") + "):", ""]
     lines += _table(["goal", "measured", "", PREDICTION], _goal_rows(goals(o)))
