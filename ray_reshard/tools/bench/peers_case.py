@@ -201,11 +201,10 @@ def case_specs(src, dst, rows: int, cols: int, count: int, fair: bool):
     import ray
 
     import ray_reshard as rr
-    from ray_reshard.layout.placement import Replicate, Shard
+    from ray_reshard.layout.placement import Shard
 
     L = lambda ranks, *p, names=None: rr.Layout(rr.Mesh(ranks, names), p)
-    src_l = L([0, 1, 2, 3], Shard(0))
-    dst_l = L([[0, 1], [2, 3]], Replicate(), Shard(0), names=("dp", "tp"))
+    src_l, dst_l = case_layouts()
     names = [f"w{i}" for i in range(count)]
     specs = {n: rr.TensorSpec((rows, cols), torch.float32, src_l, dst_l) for n in names}
     shapes = lambda spec_set, side, r: {n: s.layout(side).local_shape(r, s.shape)
@@ -224,16 +223,23 @@ def case_specs(src, dst, rows: int, cols: int, count: int, fair: bool):
     return specs, fair_specs, fwd_specs
 
 
+def case_layouts():
+    """The case's source (TP4) and destination (TP2 x DP2) layouts."""
+    import ray_reshard as rr
+    from ray_reshard.layout.placement import Replicate, Shard
+
+    return (rr.Layout(rr.Mesh([0, 1, 2, 3]), (Shard(0),)),
+            rr.Layout(rr.Mesh([[0, 1], [2, 3]], ("dp", "tp")), (Replicate(), Shard(0))))
+
+
 def fewer_specs(src, dst, shape: tuple, count: int) -> dict:
     """Specs of the case's layouts over `count` more tensors (`f0`...) of `shape`, made on the
     actors beside the case's own (sources random, destinations zeros)."""
     import ray
 
     import ray_reshard as rr
-    from ray_reshard.layout.placement import Replicate, Shard
 
-    src_l = rr.Layout(rr.Mesh([0, 1, 2, 3]), (Shard(0),))
-    dst_l = rr.Layout(rr.Mesh([[0, 1], [2, 3]], ("dp", "tp")), (Replicate(), Shard(0)))
+    src_l, dst_l = case_layouts()
     specs = {f"f{i}": rr.TensorSpec(shape, torch.float32, src_l, dst_l) for i in range(count)}
     shapes = lambda side, r: {n: s.layout(side).local_shape(r, s.shape) for n, s in specs.items()}
     ray.get([a.add.remote(shapes("src", r), True) for r, a in enumerate(src)] +
